@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="torchao_optim",
+    version="0.1.0",
+    description="Low-bit optimizer state for PyTorch, as tensor subclasses: 8-bit AdamW with a quarter of the state memory",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torchao_optim", "torchao_optim.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={
+        "test": ["pytest", "expecttest", "tqdm"],
+        "bench": ["tqdm", "matplotlib"],
+        "finetune": ["timm", "datasets", "tqdm", "matplotlib"],
+    },
+    license="BSD-3-Clause",
+)

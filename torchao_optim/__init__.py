@@ -1,0 +1,27 @@
+"""torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
+from torchao_optim.optim import Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, dequantize_state_dict
+from torchao_optim.quant import create_dynamic_map
+from torchao_optim.state import (
+    DTQ8bitTensor,
+    QuantizedState,
+    get_state_format,
+    list_state_formats,
+    register_state_format,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Adam",
+    "Adam8bit",
+    "AdamDTQ8bit",
+    "AdamW",
+    "AdamW8bit",
+    "dequantize_state_dict",
+    "DTQ8bitTensor",
+    "QuantizedState",
+    "create_dynamic_map",
+    "get_state_format",
+    "list_state_formats",
+    "register_state_format",
+]

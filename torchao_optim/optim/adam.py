@@ -1,0 +1,282 @@
+"""Adam and AdamW with low-bit state: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.update import adam_update
+from torchao_optim.state import QuantizedState, get_state_format
+
+__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_state_dict"]
+
+_HYPERPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+
+
+def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_size=0):
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError(f"Tensor lr must have exactly one element, got shape {tuple(lr.shape)}")
+    elif not isinstance(lr, (int, float)) or not lr >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr!r}")
+    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta!r}")
+    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
+    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+        raise ValueError(f"Invalid block_size: {block_size!r} (a positive int, or None for the format's default)")
+    if not isinstance(min_quant_size, int) or min_quant_size < 0:
+        raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
+
+
+def _flat(t: Tensor) -> Tensor:
+    """A 1-D tensor over ``t``'s elements sharing its storage if ``t`` is contiguous (a copy otherwise).
+
+    Not a ``view``: torch.compile with dynamic shapes mishandles inputs that are views of a differently
+    shaped base, so the alias carries no view relation.
+    """
+    if t.dim() == 1:
+        return t
+    if isinstance(t, QuantizedState):  # inner tensors are flat already: a new 1-D wrapper over them
+        return t._new(t.fields(), shape=(t.numel(),))
+    if not t.is_contiguous():
+        return t.reshape(-1)
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+
+
+class Adam(torch.optim.Optimizer):
+    r"""Adam with its two moment buffers stored in a low-bit state format.
+
+    The algorithm is ``torch.optim.Adam``'s (``torch.optim.AdamW``'s with ``decoupled_weight_decay=True``):
+
+    .. code-block:: text
+
+        g = grad (negated if maximize);  g += weight_decay * p  (Adam)  |  p *= 1 - lr * weight_decay  (AdamW)
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g          (v_max = max(v_max, v) with amsgrad)
+        p -= lr / (1 - beta1**t) * m / (sqrt(v) / sqrt(1 - beta2**t) + eps)
+
+    ``m`` and ``v`` are dequantized, updated in fp32 and requantized once per step; for each parameter
+    ``torch.compile`` fuses that into one kernel. Parameters with fewer than ``min_quant_size`` elements,
+    and with ``state_format="none"``, keep fp32 state. A non-finite gradient element is skipped: its
+    parameter and state keep their values, and no other element is affected.
+
+    Args:
+        params (iterable): parameters or dicts defining parameter groups.
+        lr (float or Tensor, optional): learning rate; may change every step (schedulers, or assigning
+            ``group["lr"]``) without recompiling. Default: ``1e-3``.
+        betas (Tuple[float, float], optional): coefficients of the running averages. Default: ``(0.9, 0.999)``.
+        eps (float, optional): added to the denominator. Default: ``1e-8``.
+        weight_decay (float, optional): L2 penalty (Adam) or decoupled decay (AdamW). Default: ``0``.
+        amsgrad (bool, optional): keep the maximum of ``v`` (``max_exp_avg_sq``, same format). Default: ``False``.
+        maximize (bool, optional): maximize the objective. Default: ``False``.
+        state_format (str, optional): a registered format name (see ``list_state_formats()``) or ``"none"``
+            for fp32 state. Default: ``"dtq8"``.
+        block_size (int, optional): elements per quantization block; ``None`` takes the format's default.
+        min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
+        compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
+            warning, where compiling is impossible. Default: ``True``.
+        decoupled_weight_decay (bool, optional): AdamW's weight decay. Default: ``False``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        amsgrad=False,
+        *,
+        maximize=False,
+        state_format="dtq8",
+        block_size=None,
+        min_quant_size=4096,
+        compile=True,
+        decoupled_weight_decay=False,
+    ):
+        _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
+        if state_format != "none":
+            get_state_format(state_format)  # raises ValueError naming the registered formats
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay, state_format=state_format, block_size=block_size,
+            min_quant_size=min_quant_size,
+        )
+        super().__init__(params, defaults)
+        self._update = CompiledOrEager(adam_update, enabled=compile)
+        self._hp_tensors: Dict[int, Dict[str, Tensor]] = {}
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                           group["block_size"], group["min_quant_size"])
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+
+    # ---- state --------------------------------------------------------------------------------------
+    def _format_for(self, p: Tensor, group) -> Optional[type]:
+        """The format class for ``p``'s state, or None for fp32 state."""
+        if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
+            return None
+        fmt = get_state_format(group["state_format"])
+        try:
+            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=group["block_size"]))
+        except ValueError:
+            return None  # the format cannot store this shape: keep fp32 state
+        return fmt
+
+    def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
+        fmt = self._format_for(p, group)
+        if fmt is None:
+            return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        return fmt.zeros(p.shape, signed=signed, block_size=group["block_size"], device=p.device)
+
+    def _state_keys(self, group):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _init_state(self, p: Tensor, group, state) -> None:
+        state["step"] = torch.tensor(0.0)
+        for key in self._state_keys(group):
+            state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
+
+    def _conform_state(self, p: Tensor, group, state) -> None:
+        """After load_state_dict: store each state in the format this optimizer uses for ``p``, in fp32."""
+        fmt = self._format_for(p, group)
+        for key in self._state_keys(group):
+            value = state.get(key)
+            if value is None:
+                state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
+                continue
+            if isinstance(value, QuantizedState) and type(value) is fmt:
+                state[key] = value.to(device=p.device, dtype=torch.float32)
+                continue
+            if isinstance(value, QuantizedState):
+                value = value.dequantize(torch.float32)
+            value = value.to(device=p.device, dtype=torch.float32)
+            if fmt is None:
+                state[key] = value.contiguous()
+            else:
+                state[key] = fmt.from_float(value, signed=(key == "exp_avg"), block_size=group["block_size"])
+        step = state.get("step", 0.0)
+        state["step"] = (step if isinstance(step, Tensor) else torch.tensor(float(step))).to("cpu", torch.float32)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict; states are converted to this optimizer's
+        format (fp32 states are quantized, quantized ones dequantized where this optimizer keeps fp32)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p in self.state and self.state[p]:
+                    self._conform_state(p, group, self.state[p])
+
+    # ---- hyperparameters as 0-d tensors: changing them never recompiles -----------------------------
+    def _hyperparams(self, group) -> Dict[str, Tensor]:
+        cached = self._hp_tensors.setdefault(id(group), {k: torch.tensor(0.0) for k in _HYPERPARAMS})
+        values = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
+                      weight_decay=group["weight_decay"])
+        out = {}
+        for key, value in values.items():
+            if isinstance(value, Tensor):
+                out[key] = value.reshape(())
+            else:
+                if cached[key].item() != value:
+                    cached[key].fill_(value)
+                out[key] = cached[key]
+        return out
+
+    # ---- the step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): reevaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            hp = None
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                if grad.is_complex() or p.is_complex():
+                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+                state = self.state[p]
+                if not state:
+                    self._init_state(p, group, state)
+                if hp is None:
+                    hp = self._hyperparams(group)
+                # Flat: every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous
+                # parameter keeps its shape, and gets a graph of its own.)
+                states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+                if p.is_contiguous():
+                    p, grad, states = _flat(p), _flat(grad), [None if s is None else _flat(s) for s in states]
+                self._update(
+                    p, grad, *states, state["step"],
+                    hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
+                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+                    maximize=group["maximize"],
+                )
+        return loss
+
+
+class AdamW(Adam):
+    """:class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to ``1e-2``.
+
+    Args: as :class:`Adam`, without ``decoupled_weight_decay``.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
+                         state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
+                         compile=compile, decoupled_weight_decay=True)
+
+
+class Adam8bit(Adam):
+    """:class:`Adam` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
+                 maximize=False, block_size=None, min_quant_size=4096, compile=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
+                         block_size=block_size, min_quant_size=min_quant_size, compile=compile)
+
+
+class AdamW8bit(AdamW):
+    """:class:`AdamW` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, block_size=None, min_quant_size=4096, compile=True):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
+                         block_size=block_size, min_quant_size=min_quant_size, compile=compile)
+
+
+AdamDTQ8bit = Adam8bit
+
+
+def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+    """A copy of an optimizer ``state_dict`` with every quantized state dequantized to fp32, loadable by
+    ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped)."""
+    ours = {"state_format", "block_size", "min_quant_size"}
+    state = {
+        idx: {k: (v.dequantize(torch.float32) if isinstance(v, QuantizedState) else v) for k, v in s.items()}
+        for idx, s in state_dict["state"].items()
+    }
+    groups = [{k: v for k, v in g.items() if k not in ours} for g in state_dict["param_groups"]]
+    return {"state": state, "param_groups": groups}

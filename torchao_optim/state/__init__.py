@@ -1,0 +1,13 @@
+"""Optimizer-state formats: the shared base class, the registry and the built-in formats."""
+from torchao_optim.state.base import QuantizedState, implements
+from torchao_optim.state.registry import get_state_format, list_state_formats, register_state_format
+from torchao_optim.state.dtq8 import DTQ8bitTensor  # noqa: E402  (registers "dtq8")
+
+__all__ = [
+    "DTQ8bitTensor",
+    "QuantizedState",
+    "get_state_format",
+    "implements",
+    "list_state_formats",
+    "register_state_format",
+]

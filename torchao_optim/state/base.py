@@ -1,0 +1,359 @@
+"""QuantizedState: the base class of every low-bit optimizer-state format, and its shared aten-op table.
+
+A format is a wrapper tensor subclass that looks like a float tensor of the parameter's shape and stores
+something smaller. It declares its structure as data:
+
+- ``elementwise_fields``: flat inner tensors with one entry per element, in the outer tensor's
+  (row-major) element order (codes); flat whatever the outer shape, so reshaping never touches them;
+- ``blockwise_fields``: inner 1-D tensors with one entry per block of ``block_size`` elements (absmax);
+- ``attr_fields``: plain Python attributes (``signed``, ``block_size``, ...);
+
+and implements three things: ``quantize_fields(x, **attrs)`` (a float tensor to its inner tensors),
+``dequantize(dtype)`` and, optionally, ``zeros_fields(shape, device, **attrs)``. Flattening for
+``torch.compile``, the repr, pickling and every aten op below derive from that declaration.
+
+The op table: out-of-place ops dequantize their quantized arguments and return plain tensors; in-place
+ops on a quantized tensor compute in float and requantize once (``copy_`` into it included). Anything else
+raises ``NotImplementedError`` naming the op (docs/state_formats.md, "Adding an op").
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch._prims_common import infer_size
+from torch.utils._pytree import tree_map
+
+from torchao_optim.quant.blockwise import n_blocks
+
+aten = torch.ops.aten
+
+__all__ = ["QuantizedState", "implements"]
+
+_OPS: Dict[Any, Callable] = {}
+
+
+def implements(ops: Sequence[Any]):
+    """Register ``fn(func, args, kwargs)`` as the implementation of each aten overload in ``ops``.
+
+    Used at module level it fills the table every format shares; a format that needs a different
+    implementation of an op registers its own with ``Format.implements_op``.
+    """
+
+    def decorator(fn):
+        for op in ops:
+            _OPS[op] = fn
+        return fn
+
+    return decorator
+
+
+def _dequantize_all(tree):
+    return tree_map(lambda t: t.dequantize() if isinstance(t, QuantizedState) else t, tree)
+
+
+def _out_of_place(func):
+    """aten.mul_.Tensor -> aten.mul.Tensor"""
+    packet = getattr(aten, func._schema.name.split("::")[1].rstrip("_"))
+    return getattr(packet, func._overloadname)
+
+
+class QuantizedState(torch.Tensor):
+    """Base of the low-bit state formats. See the module docstring for what a format declares."""
+
+    format_name: ClassVar[str] = ""
+    elementwise_fields: ClassVar[Tuple[str, ...]] = ()
+    blockwise_fields: ClassVar[Tuple[str, ...]] = ()
+    attr_fields: ClassVar[Tuple[str, ...]] = ("block_size",)
+    default_block_size: ClassVar[int] = 256
+    _format_ops: ClassVar[Dict[Any, Callable]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._format_ops = {}
+        # torch.load(weights_only=True) must be able to rebuild every format.
+        torch.serialization.add_safe_globals([cls])
+
+    @classmethod
+    def implements_op(cls, ops: Sequence[Any]):
+        """Like :func:`implements`, for this format (and its subclasses) only."""
+
+        def decorator(fn):
+            for op in ops:
+                cls._format_ops[op] = fn
+            return fn
+
+        return decorator
+
+    @classmethod
+    def tensor_fields(cls) -> Tuple[str, ...]:
+        return cls.elementwise_fields + cls.blockwise_fields
+
+    @staticmethod
+    def __new__(cls, shape, dtype=torch.float32, **fields_and_attrs):
+        first = fields_and_attrs[cls.tensor_fields()[0]]
+        return torch.Tensor._make_wrapper_subclass(
+            cls, torch.Size(shape), dtype=dtype, device=first.device, requires_grad=False
+        )
+
+    def __init__(self, shape, dtype=torch.float32, **fields_and_attrs):
+        for name in self.tensor_fields() + self.attr_fields:
+            setattr(self, name, fields_and_attrs[name])
+
+    # ---- what a format implements --------------------------------------------------------------------
+    @classmethod
+    def quantize_fields(cls, x: torch.Tensor, **attrs) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{cls.__name__} must implement quantize_fields")
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
+
+    @classmethod
+    def zeros_fields(cls, shape, device, **attrs) -> Dict[str, torch.Tensor]:
+        return cls.quantize_fields(torch.zeros(shape, device=device), **attrs)
+
+    @classmethod
+    def check_attrs(cls, shape, **attrs) -> None:
+        """Raise ValueError if a tensor of ``shape`` cannot be stored with ``attrs``."""
+        block_size = attrs.get("block_size")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"{cls.__name__}: block_size must be a positive int, got {block_size!r}")
+
+    # ---- constructors -------------------------------------------------------------------------------
+    @classmethod
+    def _attrs(cls, block_size=None, **attrs):
+        attrs["block_size"] = cls.default_block_size if block_size is None else block_size
+        return attrs
+
+    @classmethod
+    def zeros(cls, shape, *, device=None, dtype=torch.float32, **attrs):
+        """A quantized tensor of zeros of ``shape``, dequantizing to ``dtype``."""
+        shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+        attrs = cls._attrs(**attrs)
+        cls.check_attrs(shape, **attrs)
+        _check_float_dtype(cls, dtype)
+        return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
+
+    @classmethod
+    def from_float(cls, x: torch.Tensor, **attrs):
+        """Quantize a float tensor (any layout); the result dequantizes to ``x.dtype``."""
+        if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedState):
+            raise TypeError(f"{cls.__name__}.from_float expects a plain float tensor, got {type(x).__name__}")
+        _check_float_dtype(cls, x.dtype)
+        attrs = cls._attrs(**attrs)
+        cls.check_attrs(x.shape, **attrs)
+        return cls(x.shape, x.dtype, **cls.quantize_fields(x.detach(), **attrs), **attrs)
+
+    def _new(self, fields: Dict[str, torch.Tensor], shape=None, dtype=None):
+        return type(self)(
+            self.shape if shape is None else shape,
+            self.dtype if dtype is None else dtype,
+            **fields,
+            **self.attrs(),
+        )
+
+    def attrs(self) -> Dict[str, Any]:
+        return {name: getattr(self, name) for name in self.attr_fields}
+
+    def fields(self) -> Dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.tensor_fields()}
+
+    def same_layout(self, other) -> bool:
+        return type(other) is type(self) and other.shape == self.shape and other.attrs() == self.attrs()
+
+    def assign(self, value: torch.Tensor):
+        """Requantize ``value`` (broadcast to this shape) into this tensor's storage, in place."""
+        value = value.expand(self.shape) if value.shape != self.shape else value
+        new = self.quantize_fields(value, **self.attrs())
+        for name, inner in self.fields().items():
+            inner.copy_(new[name])
+        return self
+
+    # ---- torch.compile, pickling, repr ---------------------------------------------------------------
+    def __tensor_flatten__(self):
+        return list(self.tensor_fields()), (tuple(self.attrs().items()), self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        attrs, dtype = ctx
+        return cls(outer_size, dtype, **inner, **dict(attrs))
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild, (type(self), tuple(self.shape), self.dtype, self.fields(), self.attrs()))
+
+    def _stable_hash_for_caching(self) -> str:
+        # torch.compile's cache key: the structure (format, attributes, dtypes), never the data.
+        inner = ",".join(f"{k}:{v.dtype}" for k, v in self.fields().items())
+        return f"{type(self).__qualname__}({self.attrs()},{self.dtype},{inner})"
+
+    def __repr__(self):
+        attrs = "".join(f", {k}={v!r}" for k, v in self.attrs().items())
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}{attrs})"
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for klass in cls.__mro__:
+            impl = klass.__dict__.get("_format_ops", {}).get(func)
+            if impl is not None:
+                return impl(func, args, kwargs)
+        impl = _OPS.get(func)
+        if impl is None:
+            raise NotImplementedError(
+                f"{cls.__name__} does not implement {func}. Dequantize first (x.dequantize()), or add the op "
+                f"to the op table: see docs/state_formats.md, 'Adding an op'."
+            )
+        return impl(func, args, kwargs)
+
+
+def _rebuild(cls, shape, dtype, fields, attrs):
+    return cls(shape, dtype, **fields, **attrs)
+
+
+torch.serialization.add_safe_globals([_rebuild])
+
+
+def _check_float_dtype(cls, dtype):
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{cls.__name__} dequantizes to float32, float16 or bfloat16, not {dtype}")
+
+
+# ---- the shared op table ---------------------------------------------------------------------------
+
+_MATH_OPS = [
+    aten.lerp.Scalar, aten.lerp.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar,
+    aten.sub.Tensor, aten.sub.Scalar, aten.addcmul.default, aten.addcdiv.default, aten.sqrt.default,
+    aten.div.Tensor, aten.div.Scalar, aten.maximum.default, aten.neg.default, aten.abs.default,
+    aten.where.self,
+]
+_INPLACE_OPS = [
+    aten.lerp_.Scalar, aten.lerp_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor,
+    aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.addcmul_.default, aten.addcdiv_.default,
+    aten.sqrt_.default, aten.div_.Tensor, aten.div_.Scalar, aten.neg_.default,
+]
+
+
+@implements(_MATH_OPS + [aten.equal.default])
+def _math(func, args, kwargs):
+    # The Adam update (where: non-finite gradients keep the old state), torch.optim's single-tensor loops;
+    # equal is needed by tests and state comparisons.
+    return func(*_dequantize_all(args), **_dequantize_all(kwargs))
+
+
+@implements(_INPLACE_OPS)
+def _math_inplace(func, args, kwargs):
+    # torch.optim.Adam/AdamW(foreach=False) and SGD(momentum) update their state with these.
+    self = args[0]
+    if isinstance(self, QuantizedState):
+        out = _out_of_place(func)(self.dequantize(), *_dequantize_all(args[1:]), **_dequantize_all(kwargs))
+        return self.assign(out)
+    return func(self, *_dequantize_all(args[1:]), **_dequantize_all(kwargs))
+
+
+@implements([aten.copy_.default])
+def _copy_(func, args, kwargs):
+    # The requantizing write at the end of every update; also load_state_dict and DCP loads.
+    dst, src = args[0], args[1]
+    if isinstance(dst, QuantizedState):
+        if dst.same_layout(src):
+            for name, inner in dst.fields().items():
+                inner.copy_(getattr(src, name))
+            return dst
+        src = src.dequantize() if isinstance(src, QuantizedState) else src
+        return dst.assign(src.to(dst.device))
+    return dst.copy_(src.dequantize(), **kwargs)
+
+
+@implements([aten.zero_.default])
+def _zero_(func, args, kwargs):
+    # optimizer resets and SGD's momentum buffers
+    self = args[0]
+    zeros = self.zeros_fields(self.shape, self.device, **self.attrs())
+    for name, inner in self.fields().items():
+        inner.copy_(zeros[name])
+    return self
+
+
+@implements([aten.zeros_like.default, aten.empty_like.default])
+def _zeros_like(func, args, kwargs):
+    # torch.optim creates state buffers with torch.zeros_like(state) when the state is ours
+    self = args[0]
+    return type(self).zeros(
+        self.shape, device=kwargs.get("device") or self.device, dtype=kwargs.get("dtype") or self.dtype,
+        **self.attrs(),
+    )
+
+
+@implements([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros(func, args, kwargs):
+    # Tensor.new_zeros(size) keeps the format: needed by DCP and by state initialisers
+    self, size = args[0], args[1]
+    return type(self).zeros(
+        size, device=kwargs.get("device") or self.device, dtype=kwargs.get("dtype") or self.dtype, **self.attrs()
+    )
+
+
+@implements([aten.clone.default])
+def _clone(func, args, kwargs):
+    # copy.deepcopy of an optimizer state_dict, checkpoint snapshots
+    self = args[0]
+    return self._new({k: v.clone() for k, v in self.fields().items()})
+
+
+@implements([aten.detach.default, aten.alias.default])
+def _detach(func, args, kwargs):
+    # state_dict() and torch.save detach tensors; shares storage
+    self = args[0]
+    return self._new({k: func(v) for k, v in self.fields().items()})
+
+
+@implements([aten._to_copy.default])
+def _to_copy(func, args, kwargs):
+    # .to(device), .cpu(), .cuda() keep the tensor quantized; .to(dtype) changes what it dequantizes to
+    self = args[0]
+    dtype = kwargs.get("dtype") or self.dtype
+    _check_float_dtype(type(self), dtype)
+    device, non_blocking = kwargs.get("device"), kwargs.get("non_blocking", False)
+    fields = {k: v.to(device=device, non_blocking=non_blocking, copy=True) for k, v in self.fields().items()}
+    return self._new(fields, dtype=dtype)
+
+
+@implements([aten.is_pinned.default])
+def _is_pinned(func, args, kwargs):
+    # DataLoader/DCP staging asks whether state is in pinned memory
+    return all(v.is_pinned() for v in args[0].fields().values())
+
+
+@implements([aten.view.default, aten._unsafe_view.default])
+def _view(func, args, kwargs):
+    # reshape/flatten of state (the optimizer's flat step, DCP, FSDP): the flat element order, hence
+    # every block and every inner tensor, is unchanged
+    self, size = args[0], args[1]
+    return self._new(self.fields(), shape=infer_size(size, self.numel()))
+
+
+@implements([aten.slice.Tensor])
+def _slice(func, args, kwargs):
+    # row shards of state (FSDP2 chunks dim 0): only on block boundaries, so every block stays whole
+    self = args[0]
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    dim = dim % max(self.dim(), 1)
+    rows = self.shape[0] if self.dim() else 1
+    start = 0 if start is None else (start + rows if start < 0 else min(start, rows))
+    end = rows if end is None else (end + rows if end < 0 else min(end, rows))
+    if dim != 0 or step != 1:
+        raise NotImplementedError(f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, "
+                                  f"got dim={dim}, step={step}")
+    row = self.numel() // max(rows, 1)
+    first, last, bs = start * row, end * row, self.block_size
+    if first % bs or (last % bs and last != self.numel()):
+        raise ValueError(f"{type(self).__name__}: rows [{start}:{end}] cover elements [{first}:{last}], which do "
+                         f"not start and end on a block boundary (block_size={bs})")
+    fields = self.fields()
+    for name in self.elementwise_fields:
+        fields[name] = fields[name][first:last]
+    for name in self.blockwise_fields:
+        fields[name] = fields[name][first // bs : n_blocks(last, bs)]
+    return self._new(fields, shape=(end - start,) + tuple(self.shape[1:]))
