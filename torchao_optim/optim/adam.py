@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.fused import plan_group, triton_available
 from torchao_optim.optim.update import adam_update
 from torchao_optim.state import QuantizedState, get_state_format
 
@@ -84,6 +85,10 @@ class Adam(torch.optim.Optimizer):
         min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
         compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
             warning, where compiling is impossible. Default: ``True``.
+        fused (bool, optional): on CUDA, update each parameter group with one multi-tensor Triton launch
+            per format and dtype (fp32 and "dtq8" states, without amsgrad); other parameters take the
+            per-parameter compiled path. ``None`` uses it wherever Triton and CUDA are available.
+            Default: ``None``.
         decoupled_weight_decay (bool, optional): AdamW's weight decay. Default: ``False``.
     """
 
@@ -101,6 +106,7 @@ class Adam(torch.optim.Optimizer):
         block_size=None,
         min_quant_size=4096,
         compile=True,
+        fused=None,
         decoupled_weight_decay=False,
     ):
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
@@ -113,7 +119,11 @@ class Adam(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self._update = CompiledOrEager(adam_update, enabled=compile)
-        self._hp_tensors: Dict[int, Dict[str, Tensor]] = {}
+        self._hp_tensors: Dict[tuple, tuple] = {}
+        self._plans: Dict[int, dict] = {}
+        if fused and not triton_available():
+            raise RuntimeError("fused=True needs Triton and a CUDA device")
+        self._fused = triton_available() if fused is None else bool(fused)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -146,7 +156,7 @@ class Adam(torch.optim.Optimizer):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
 
     def _init_state(self, p: Tensor, group, state) -> None:
-        state["step"] = torch.tensor(0.0)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key in self._state_keys(group):
             state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
 
@@ -169,33 +179,54 @@ class Adam(torch.optim.Optimizer):
             else:
                 state[key] = fmt.from_float(value, signed=(key == "exp_avg"), block_size=group["block_size"])
         step = state.get("step", 0.0)
-        state["step"] = (step if isinstance(step, Tensor) else torch.tensor(float(step))).to("cpu", torch.float32)
+        state["step"] = (step if isinstance(step, Tensor) else torch.tensor(float(step))).to(p.device, torch.float32)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict; states are converted to this optimizer's
         format (fp32 states are quantized, quantized ones dequantized where this optimizer keeps fp32)."""
         super().load_state_dict(state_dict)
+        self._plans.clear()  # plans point at the replaced state tensors
         for group in self.param_groups:
             for p in group["params"]:
                 if p in self.state and self.state[p]:
                     self._conform_state(p, group, self.state[p])
 
     # ---- hyperparameters as 0-d tensors: changing them never recompiles -----------------------------
-    def _hyperparams(self, group) -> Dict[str, Tensor]:
-        cached = self._hp_tensors.setdefault(id(group), {k: torch.tensor(0.0) for k in _HYPERPARAMS})
+    def _hyperparams(self, group, device: torch.device) -> Dict[str, Tensor]:
+        """0-d tensors on ``device`` holding the group's hyperparameters, refilled only when they change."""
         values = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"])
+        cached_values, tensors = self._hp_tensors.setdefault(
+            (id(group), device), ({}, {k: torch.zeros((), device=device) for k in _HYPERPARAMS}))
         out = {}
         for key, value in values.items():
             if isinstance(value, Tensor):
-                out[key] = value.reshape(())
-            else:
-                if cached[key].item() != value:
-                    cached[key].fill_(value)
-                out[key] = cached[key]
+                out[key] = value.to(device=device, dtype=torch.float32).reshape(())
+                continue
+            if cached_values.get(key) != value:
+                tensors[key].fill_(value)
+                cached_values[key] = value
+            out[key] = tensors[key]
         return out
 
     # ---- the step -----------------------------------------------------------------------------------
+    def _params_with_grad(self, group):
+        params, states = [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if grad.is_complex() or p.is_complex():
+                raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+            state = self.state[p]
+            if not state:
+                self._init_state(p, group, state)
+            params.append(p)
+            states.append(state)
+        return params, states
+
     @torch.no_grad()
     def step(self, closure=None):
         """Perform a single optimization step.
@@ -208,32 +239,33 @@ class Adam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            hp = None
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-                if grad.is_complex() or p.is_complex():
-                    raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
-                state = self.state[p]
-                if not state:
-                    self._init_state(p, group, state)
-                if hp is None:
-                    hp = self._hyperparams(group)
-                # Flat: every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous
-                # parameter keeps its shape, and gets a graph of its own.)
-                states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
-                if p.is_contiguous():
-                    p, grad, states = _flat(p), _flat(grad), [None if s is None else _flat(s) for s in states]
-                self._update(
-                    p, grad, *states, state["step"],
-                    hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
-                    decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
-                    maximize=group["maximize"],
-                )
+            params, states = self._params_with_grad(group)
+            rest = range(len(params))
+            if params and self._fused:
+                plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, group["amsgrad"])
+                if plans:
+                    lr = group["lr"]
+                    hp = (float(lr), group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
+                    for plan in plans:
+                        plan.launch(*hp, decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
+            for i in rest:
+                self._step_one(params[i], states[i], group)
         return loss
+
+    def _step_one(self, p: Tensor, state, group) -> None:
+        """The per-parameter compiled path: every format, every device."""
+        hp = self._hyperparams(group, p.device)
+        grad = p.grad
+        states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+        # Flat: every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous
+        # parameter keeps its shape, and gets a graph of its own.)
+        if p.is_contiguous():
+            p, grad, states = _flat(p), _flat(grad), [None if s is None else _flat(s) for s in states]
+        self._update(
+            p, grad, *states, state["step"], hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
+            decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+            maximize=group["maximize"],
+        )
 
 
 class AdamW(Adam):
@@ -243,28 +275,28 @@ class AdamW(Adam):
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True):
+                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                         compile=compile, decoupled_weight_decay=True)
+                         compile=compile, fused=fused, decoupled_weight_decay=True)
 
 
 class Adam8bit(Adam):
     """:class:`Adam` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, block_size=None, min_quant_size=4096, compile=True):
+                 maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
-                         block_size=block_size, min_quant_size=min_quant_size, compile=compile)
+                         block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused)
 
 
 class AdamW8bit(AdamW):
     """:class:`AdamW` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, block_size=None, min_quant_size=4096, compile=True):
+                 maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
-                         block_size=block_size, min_quant_size=min_quant_size, compile=compile)
+                         block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused)
 
 
 AdamDTQ8bit = Adam8bit

@@ -1,0 +1,1 @@
+"""Hand-written kernels (Triton) used where torch.compile cannot batch a whole group; imported lazily."""
