@@ -28,29 +28,37 @@ def run(params, opt, steps, seed=1, nan_at=None):
         opt.step()
 
 
-def max_code_step(state):
-    # one code of the signed map near the top is 0.9/64 of the block's absmax: the most two paths may differ
-    return 0.9 / 64 * state.absmax.max().item() * 1.01
+def code_step(state):
+    # one code of the signed map near its top: 0.9/64 of the block's absmax
+    return 0.9 / 64 * state.absmax.max().item()
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_matches_compiled_path(dtype):
+    # The two paths round differently (FMA, the fused quantizer decides on a rounded position), so a value
+    # within fp32 rounding of the midpoint between two codes can take either: the states may differ by a
+    # code at a few elements, and such an element's next updates by a fraction of lr. A wrong kernel
+    # differs by O(lr * steps) everywhere, or by whole codes in most elements.
+    lr, steps = 1e-2, 20
     a, b = make_params(dtype), make_params(dtype)
-    opt_a = torchao_optim.AdamW(a, lr=1e-2, fused=True)
-    opt_b = torchao_optim.AdamW(b, lr=1e-2, fused=False)
-    run(a, opt_a, 20)
-    run(b, opt_b, 20)
+    opt_a = torchao_optim.AdamW(a, lr=lr, fused=True)
+    opt_b = torchao_optim.AdamW(b, lr=lr, fused=False)
+    run(a, opt_a, steps)
+    run(b, opt_b, steps)
     for pa, pb in zip(a, b):
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(pa, pb, rtol=tol, atol=tol)
+        tol = lr if dtype == torch.float32 else lr + 2 ** -7 * pb.abs().max().item()  # + one bf16 ulp
+        assert (pa.float() - pb.float()).abs().max().item() <= tol
         sa, sb = opt_a.state[pa], opt_b.state[pb]
-        assert sa["step"].item() == sb["step"].item() == 20
+        assert sa["step"].item() == sb["step"].item() == steps
         for key in ("exp_avg", "exp_avg_sq"):
             assert type(sa[key]) is type(sb[key])
             diff = (sa[key].dequantize() - sb[key].dequantize()).abs().max().item()
-            bound = max_code_step(sa[key]) if isinstance(sa[key], DTQ8bitTensor) else 1e-6
-            assert diff <= bound, (key, diff, bound)
+            if isinstance(sa[key], DTQ8bitTensor):
+                assert diff <= 2 * code_step(sa[key]), (key, diff)
+                assert (sa[key].codes != sb[key].codes).float().mean().item() < 0.02
+            else:
+                assert diff <= 1e-5 * sb[key].abs().max().item() + 1e-7, (key, diff)
 
 
 def test_state_lives_on_the_param_device_and_checkpoints_exactly():
@@ -102,3 +110,28 @@ def test_params_that_stop_and_start_having_grads_and_late_groups():
     run(params, opt, 2)
     assert opt.state[params[1]]["step"].item() == 4 and opt.state[params[4]]["step"].item() == 2
     assert all(torch.isfinite(p).all() for p in params)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+def test_moving_gradients_do_not_rebuild_plans(monkeypatch):
+    # zero_grad(set_to_none=True) + backward gives gradients new addresses; only their table is refreshed
+    import torchao_optim.optim.fused as fused
+
+    built = []
+    init = fused.GroupPlan.__init__
+    monkeypatch.setattr(fused.GroupPlan, "__init__", lambda self, *a: (built.append(1), init(self, *a))[1])
+    a, b = make_params(), make_params()
+    opt_a = torchao_optim.AdamW8bit(a, lr=1e-2)
+    opt_b = torchao_optim.AdamW8bit(b, lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    keep = []
+    for _ in range(4):
+        grads = [torch.randn(p.shape, generator=g).to("cuda") for p in a]
+        keep.append([torch.empty_like(x) for x in grads])  # hold memory so new grads land elsewhere
+        for pa, pb, x in zip(a, b, grads):
+            pa.grad, pb.grad = x.clone(), x.clone()
+        opt_a.step()
+        opt_b.step()
+    assert len(built) == 4  # two plans (8-bit and fp32 state) per optimizer, built once
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)

@@ -107,7 +107,8 @@ def _adam_math(p, g, m, v, step, lr, beta1, beta2, eps, weight_decay,
 
 @triton.jit
 def adam_dtq8_kernel(
-    ptrs,  # int64 (n_tensors, 6): param, grad, exp_avg codes, exp_avg absmax, exp_avg_sq codes, exp_avg_sq absmax
+    ptrs,  # int64 (n_tensors, 5): param, exp_avg codes, exp_avg absmax, exp_avg_sq codes, exp_avg_sq absmax
+    grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
     steps,  # fp32 (n_tensors,): steps taken before this one
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
@@ -122,13 +123,13 @@ def adam_dtq8_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    row = ptrs + t * 6
+    row = ptrs + t * 5
     p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    mc_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    ma_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-    vc_ptr = tl.load(row + 4).to(tl.pointer_type(tl.uint8))
-    va_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    mc_ptr = tl.load(row + 1).to(tl.pointer_type(tl.uint8))
+    ma_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    vc_ptr = tl.load(row + 3).to(tl.pointer_type(tl.uint8))
+    va_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     numel = tl.load(numels + t)
     blocks = tl.load(prog_block + pid).to(tl.int64) + tl.arange(0, ROWS)  # (ROWS,)
     offs = blocks[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
@@ -155,7 +156,8 @@ def adam_dtq8_kernel(
 
 @triton.jit
 def adam_fp32_kernel(
-    ptrs,  # int64 (n_tensors, 4): param, grad, exp_avg, exp_avg_sq (fp32 states)
+    ptrs,  # int64 (n_tensors, 3): param, exp_avg, exp_avg_sq (fp32 states)
+    grad_ptrs,  # int64 (n_tensors,)
     numels, steps, prog_tensor, prog_block,
     lr, beta1, beta2, eps, weight_decay,
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr,
@@ -164,11 +166,11 @@ def adam_fp32_kernel(
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     blk = tl.load(prog_block + pid).to(tl.int64)
-    row = ptrs + t * 4
+    row = ptrs + t * 3
     p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
-    g_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD_DTYPE))
-    m_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    v_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    m_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+    v_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     mask = offs < tl.load(numels + t)
     p = tl.load(p_ptr + offs, mask=mask, other=0.0).to(tl.float32)

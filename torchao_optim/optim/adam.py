@@ -38,19 +38,29 @@ def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
 
 
-def _flat(t: Tensor) -> Tensor:
-    """A 1-D tensor over ``t``'s elements sharing its storage if ``t`` is contiguous (a copy otherwise).
-
-    Not a ``view``: torch.compile with dynamic shapes mishandles inputs that are views of a differently
-    shaped base, so the alias carries no view relation.
-    """
-    if t.dim() == 1:
+def _alias(t: Tensor, shape) -> Tensor:
+    """``t`` (contiguous) with ``shape``, sharing its storage but not a ``view`` of it: torch.compile with
+    dynamic shapes mishandles mutated inputs that are views of a differently shaped base."""
+    shape = tuple(shape)
+    if isinstance(t, QuantizedState):  # inner tensors are flat already: a new wrapper over them
+        return t._new(t.fields(), shape=shape)
+    if tuple(t.shape) == shape and type(t) is Tensor and not t._is_view():
         return t
-    if isinstance(t, QuantizedState):  # inner tensors are flat already: a new 1-D wrapper over them
-        return t._new(t.fields(), shape=(t.numel(),))
-    if not t.is_contiguous():
-        return t.reshape(-1)
-    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape, strides)
+
+
+def _step_shape(p: Tensor, states) -> tuple:
+    """The shape the compiled update sees: (n_blocks, block_size) when the states are quantized and the
+    size is whole blocks, so the update, the per-block absmax and the requantization share one iteration
+    space and fuse into one pass; flat otherwise. Either way one graph serves every parameter size."""
+    q = next((s for s in states if isinstance(s, QuantizedState)), None)
+    bs = getattr(q, "block_size", None)
+    if bs and p.numel() % bs == 0 and p.numel() > 0:
+        return (p.numel() // bs, bs)
+    return (p.numel(),)
 
 
 class Adam(torch.optim.Optimizer):
@@ -257,10 +267,13 @@ class Adam(torch.optim.Optimizer):
         hp = self._hyperparams(group, p.device)
         grad = p.grad
         states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
-        # Flat: every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous
-        # parameter keeps its shape, and gets a graph of its own.)
+        # Every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous parameter
+        # keeps its shape, and gets a graph of its own.)
         if p.is_contiguous():
-            p, grad, states = _flat(p), _flat(grad), [None if s is None else _flat(s) for s in states]
+            shape = _step_shape(p, states)
+            grad = grad if grad.is_contiguous() else grad.contiguous()
+            p, grad, states = _alias(p, shape), _alias(grad, shape), [None if s is None else _alias(s, shape)
+                                                                      for s in states]
         self._update(
             p, grad, *states, state["step"], hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
             decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],

@@ -2,9 +2,10 @@
 
 A :class:`GroupPlan` holds, for the parameters of one group that share a device and dtypes, the device
 tables the multi-tensor kernels read (pointers, sizes, the program -> (tensor, block) map) and the group's
-step counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when something
-they point at changes: the set of parameters with gradients, or a gradient's address (gradients freed by
-``zero_grad(set_to_none=True)`` usually come back at the same address; when they do not, the plan is rebuilt).
+step counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set
+of parameters with gradients changes. Gradients move: ``zero_grad(set_to_none=True)`` frees them and
+backward allocates new ones, often elsewhere; so their addresses are a table of their own, refreshed with
+one non-blocking copy from pinned memory when they changed.
 Parameters the kernels do not cover (other formats, amsgrad, non-contiguous tensors, CPU) take the
 per-parameter compiled path.
 """
@@ -71,15 +72,17 @@ class GroupPlan:
             self.block = states[0]["exp_avg"].block_size
             self.rows = DTQ8_ROWS
             rows = [
-                [p.data_ptr(), p.grad.data_ptr(), s["exp_avg"].codes.data_ptr(), s["exp_avg"].absmax.data_ptr(),
+                [p.data_ptr(), s["exp_avg"].codes.data_ptr(), s["exp_avg"].absmax.data_ptr(),
                  s["exp_avg_sq"].codes.data_ptr(), s["exp_avg_sq"].absmax.data_ptr()]
                 for p, s in zip(params, states)
             ]
         else:
             self.block, self.rows = FP32_STATE_BLOCK, 1
-            rows = [[p.data_ptr(), p.grad.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr()]
+            rows = [[p.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr()]
                     for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
+        self.grad_key: tuple = ()
         numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
         span = self.block * self.rows  # elements per program
         programs = (numels + span - 1) // span
@@ -101,10 +104,21 @@ class GroupPlan:
         self.param_dtype = TRITON_DTYPES[params[0].dtype]
         self.grad_dtype = TRITON_DTYPES[params[0].grad.dtype]
 
+    def refresh_grads(self) -> None:
+        """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
+        key = tuple(p.grad.data_ptr() for p in self.params)
+        if key != self.grad_key:
+            host = torch.tensor(key, dtype=torch.int64)
+            if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
+                host = host.pin_memory()
+            self.grad_ptrs.copy_(host, non_blocking=True)
+            self.grad_key = key
+
     def launch(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                decoupled: bool, maximize: bool) -> None:
         from torchao_optim.kernels import triton_adam as k
 
+        self.refresh_grads()
         grid = (self.n_programs,)
         common = dict(PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block,
                       DECOUPLED=decoupled, MAXIMIZE=maximize)
@@ -112,14 +126,14 @@ class GroupPlan:
             s, u = dynamic_map_spec(True), dynamic_map_spec(False)
             tab_s, tab_u = _map_tables(self.ptrs.device)
             k.adam_dtq8_kernel[grid](
-                self.ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block, tab_s, tab_u,
+                self.ptrs, self.grad_ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block, tab_s, tab_u,
                 lr, beta1, beta2, eps, weight_decay, **common,
                 S_NDEC=len(s.lower), S_MAXRANK=s.max_rank, S_ZERO=s.zero_code,
                 U_NDEC=len(u.lower), U_MAXRANK=u.max_rank, U_ZERO=u.zero_code, ROWS=self.rows, num_warps=4,
             )
         else:
             k.adam_fp32_kernel[grid](
-                self.ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block,
+                self.ptrs, self.grad_ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block,
                 lr, beta1, beta2, eps, weight_decay, **common, num_warps=4,
             )
         self.steps.add_(1)
@@ -134,9 +148,9 @@ def _map_tables(device: torch.device) -> Tuple[Tensor, Tensor]:
 
 def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: bool
                ) -> Tuple[List[GroupPlan], List[int]]:
-    """The plans covering what the fused kernels can update in ``params`` (reused from ``cache`` while
-    nothing they point at changed), and the indexes of the parameters left to the compiled path."""
-    key = tuple((id(p), p.grad.data_ptr()) for p in params)
+    """The plans covering what the fused kernels can update in ``params`` (reused from ``cache`` while the
+    same parameters have gradients), and the indexes of the parameters left to the compiled path."""
+    key = tuple(id(p) for p in params)
     if cache.get("key") == key:
         return cache["plans"], cache["rest"]
     buckets: Dict[tuple, List[int]] = {}

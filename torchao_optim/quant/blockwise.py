@@ -39,8 +39,9 @@ def as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x`` flattened and zero-padded to whole blocks: shape (n_blocks, block_size)."""
     flat = x.reshape(-1)
     pad = (-flat.numel()) % block_size
-    # Compiled code always pads (possibly by 0) so that one graph serves every size; eager skips the copy.
-    if torch.compiler.is_compiling() or pad:
+    # Sizes that are whole blocks (nearly all large tensors) need no padding: a compiled graph for them
+    # stays a single pass; other sizes get a graph of their own.
+    if pad:
         flat = F.pad(flat, (0, pad))
     return flat.view(-1, block_size)
 
