@@ -9,7 +9,7 @@ and prints each time's ratio to the bandwidth floor (bytes the step must move / 
 in the same run) and to torch's fused AdamW. Writes JSON and a PNG bar chart.
 
     python benchmarks/benchmark_step.py                          # GPU: vit_b and llama_1b, fp32 and bf16
-    python benchmarks/benchmark_step.py --device cpu             # CPU: the 25.6M-param GPT geometry
+    python benchmarks/benchmark_step.py --device cpu             # CPU: the 25.7M-param GPT geometry
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def llama_1b_shapes() -> List[Shape]:
 
 
 def gpt25m_shapes() -> List[Shape]:
-    """A byte-level GPT: d=512, 8 layers, context 512, untied head; 25.7M params, 101 tensors."""
+    """A byte-level GPT: d=512, 8 layers, context 512, untied head; 25.74M params, 101 tensors."""
     d = 512
     shapes: List[Shape] = [(256, d), (512, d)]
     for _ in range(8):
@@ -113,14 +113,18 @@ def state_bytes(opt) -> int:
 
 
 def floor_bytes(shapes: List[Shape], param_bytes: int, quantized: bool, min_quant_size: int = 4096) -> int:
-    """Bytes one step must read and write: param and grad read, param written; states read and written
-    (1 byte per element and 4 per 256-element block when quantized, 4 bytes per element otherwise)."""
+    """Bytes one step must read and write: param and grad read, param written; states read and written.
+    Quantized: 1 byte per element and 4 per 256-element block (fp32 below min_quant_size). Not quantized:
+    torch.optim's states, which have the parameter's dtype."""
     total = 0
     for s in shapes:
         n = 1
         for d in s:
             n *= d
-        state = (2 * n + 2 * 4 * ((n + 255) // 256)) if quantized and n >= min_quant_size else 2 * 4 * n
+        if quantized:
+            state = (2 * n + 2 * 4 * ((n + 255) // 256)) if n >= min_quant_size else 2 * 4 * n
+        else:
+            state = 2 * param_bytes * n
         total += 3 * param_bytes * n + 2 * state
     return total
 
@@ -231,7 +235,7 @@ def main(argv=None):
             floor8 = floor_bytes(shapes, dtype.itemsize, quantized=True) / bandwidth * 1e3
             floor32 = floor_bytes(shapes, dtype.itemsize, quantized=False) / bandwidth * 1e3
             print(f"\n## {geo} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {dname} params: "
-                  f"floor {floor8:.3f} ms (8-bit state), {floor32:.3f} ms (fp32 state)")
+                  f"floor {floor8:.3f} ms (8-bit state), {floor32:.3f} ms (torch.optim's state)")
             rows = []
             for name, factory in factories.items():
                 try:

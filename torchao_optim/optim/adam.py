@@ -140,6 +140,8 @@ class Adam(torch.optim.Optimizer):
         group = self.param_groups[-1]
         _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                            group["block_size"], group["min_quant_size"])
+        if group["state_format"] != "none":
+            get_state_format(group["state_format"])  # raises ValueError naming the registered formats
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
@@ -179,26 +181,30 @@ class Adam(torch.optim.Optimizer):
                 state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
                 continue
             if isinstance(value, QuantizedState) and type(value) is fmt:
-                state[key] = value.to(device=p.device, dtype=torch.float32)
+                state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
                 continue
             if isinstance(value, QuantizedState):
                 value = value.dequantize(torch.float32)
-            value = value.to(device=p.device, dtype=torch.float32)
+            value = value.to(device=p.device, dtype=torch.float32, copy=True)
             if fmt is None:
                 state[key] = value.contiguous()
             else:
                 state[key] = fmt.from_float(value, signed=(key == "exp_avg"), block_size=group["block_size"])
         step = state.get("step", 0.0)
-        state["step"] = (step if isinstance(step, Tensor) else torch.tensor(float(step))).to(p.device, torch.float32)
+        step = step if isinstance(step, Tensor) else torch.tensor(float(step))
+        state["step"] = step.to(p.device, torch.float32, copy=True).reshape(())
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict; states are converted to this optimizer's
         format (fp32 states are quantized, quantized ones dequantized where this optimizer keeps fp32)."""
         super().load_state_dict(state_dict)
         self._plans.clear()  # plans point at the replaced state tensors
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p in self.state and self.state[p]:
+        # torch.optim casts every state to its parameter's dtype (bf16 params: fp32 states rounded to bf16);
+        # take the saved values instead, so that a checkpoint resumes exactly.
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            for p, pid in zip(group["params"], saved["params"]):
+                if state_dict["state"].get(pid):
+                    self.state[p] = dict(state_dict["state"][pid])
                     self._conform_state(p, group, self.state[p])
 
     # ---- hyperparameters as 0-d tensors: changing them never recompiles -----------------------------
