@@ -9,7 +9,7 @@ from torch import Tensor
 
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import plan_group, triton_available
-from torchao_optim.optim.update import adam_update
+from torchao_optim.optim.update import adam_step_scalars, adam_update
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_state_dict"]
@@ -280,9 +280,10 @@ class Adam(torch.optim.Optimizer):
             grad = grad if grad.is_contiguous() else grad.contiguous()
             p, grad, states = _alias(p, shape), _alias(grad, shape), [None if s is None else _alias(s, shape)
                                                                       for s in states]
+        step_size, bias_correction2_sqrt = adam_step_scalars(state["step"], hp["lr"], hp["beta1"], hp["beta2"])
         self._update(
-            p, grad, *states, state["step"], hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"],
-            decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
+            p, grad, *states, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], step_size,
+            bias_correction2_sqrt, decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
             maximize=group["maximize"],
         )
 

@@ -14,7 +14,18 @@ from typing import Optional
 
 import torch
 
-__all__ = ["adam_update"]
+__all__ = ["adam_update", "adam_step_scalars"]
+
+
+def adam_step_scalars(step: torch.Tensor, lr: torch.Tensor, beta1: torch.Tensor, beta2: torch.Tensor):
+    """Advance the 0-d step count and return Adam's per-step scalars ``(lr / (1 - beta1**t),
+    sqrt(1 - beta2**t))`` as 0-d tensors.
+
+    Kept out of the compiled per-element update: fused into it, a compiler may evaluate these powers once
+    per element (inductor's C++ backend does), which costs more than the rest of the update.
+    """
+    step.add_(1)
+    return lr / (1 - beta1**step), (1 - beta2**step).sqrt()
 
 
 def adam_update(
@@ -23,12 +34,13 @@ def adam_update(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     max_exp_avg_sq: Optional[torch.Tensor],
-    step: torch.Tensor,
     lr: torch.Tensor,
     beta1: torch.Tensor,
     beta2: torch.Tensor,
     eps: torch.Tensor,
     weight_decay: torch.Tensor,
+    step_size: torch.Tensor,
+    bias_correction2_sqrt: torch.Tensor,
     *,
     decoupled_weight_decay: bool,
     amsgrad: bool,
@@ -36,10 +48,9 @@ def adam_update(
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place.
 
-    ``step`` is the 0-d step count before this step (incremented here); the hyperparameters are 0-d
-    tensors so that changing them never recompiles.
+    The hyperparameters and the step's scalars (from :func:`adam_step_scalars`) are 0-d tensors, so that
+    changing them never recompiles.
     """
-    step.add_(1)
     g = grad.float()
     if maximize:
         g = -g
@@ -60,8 +71,6 @@ def adam_update(
         v = torch.maximum(max_exp_avg_sq, v)
         max_exp_avg_sq.copy_(v)
 
-    bias_correction1 = 1 - beta1**step
-    bias_correction2_sqrt = (1 - beta2**step).sqrt()
     denom = v.sqrt() / bias_correction2_sqrt + eps
-    p_new = p_decayed - (lr / bias_correction1) * m / denom
+    p_new = p_decayed - step_size * m / denom
     param.copy_(torch.where(finite, p_new, p))
