@@ -34,12 +34,17 @@ def test_codes_are_nearest(signed, max_exponent_bits, total_bits):
     mids = (table[1:] + table[:-1]) / 2
     y = torch.cat([y, table, mids, torch.tensor([0.0, -0.0, 1.0, -1.0 if signed else 0.5])])
     codes = quantize_nearest(y, spec)
-    # equal to brute force (argmin) in distance; codes may differ only on exact ties
     got = (y - table[codes.long()]).abs()
-    assert torch.equal(got, nearest_distance(y, table))
     ref = (y[:, None] - table[None, :]).abs().argmin(dim=1)
-    tie = (y - table[ref]).abs() == (y - table[codes.long()]).abs()
-    assert torch.all((codes.long() == ref) | tie)
+    # the unsigned map never rounds a positive value to 0: it takes the smallest positive value instead
+    lifted = (not signed) & (y > 0) & (ref == 0)
+    assert torch.all(codes[lifted] == 1)
+    # everything else equals brute force (argmin) in distance; codes may differ only on exact ties
+    assert torch.equal(got[~lifted], nearest_distance(y, table)[~lifted])
+    tie = (y - table[ref]).abs() == got
+    assert torch.all((codes.long() == ref) | tie | lifted)
+    if not signed:
+        assert lifted.any()  # the data reaches below the smallest code
 
 
 def test_search_quantizer_is_nearest_on_random_data():

@@ -69,6 +69,8 @@ def _nearest_code(y, tab, NDEC: tl.constexpr, MAXRANK: tl.constexpr, ZERO: tl.co
     rank = tl.where(to_one, MAXRANK, rank)
     if SIGNED:
         rank = tl.where(y < 0, ZERO - rank, ZERO + rank)
+    else:  # as quantize_nearest: a positive exp_avg_sq is never rounded to 0
+        rank = tl.where((a > 0) & (rank == 0), 1, rank)
     return rank.to(tl.uint8)
 
 

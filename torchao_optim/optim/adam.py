@@ -15,6 +15,7 @@ from torchao_optim.state import QuantizedState, get_state_format
 __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_state_dict"]
 
 _HYPERPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+_STORAGE_KEYS = ("state_format", "block_size", "min_quant_size", "decoupled_weight_decay")
 
 
 def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_size=0):
@@ -197,7 +198,12 @@ class Adam(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict; states are converted to this optimizer's
         format (fp32 states are quantized, quantized ones dequantized where this optimizer keeps fp32)."""
+        # How states are stored is this optimizer's choice, not the checkpoint's (a torch.optim state_dict
+        # has no such keys at all); hyperparameters come from the checkpoint, as in torch.optim.
+        storage = [{k: g[k] for k in _STORAGE_KEYS} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, keep in zip(self.param_groups, storage):
+            group.update(keep)
         self._plans.clear()  # plans point at the replaced state tensors
         # torch.optim casts every state to its parameter's dtype (bf16 params: fp32 states rounded to bf16);
         # take the saved values instead, so that a checkpoint resumes exactly.
@@ -213,11 +219,13 @@ class Adam(torch.optim.Optimizer):
         values = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
                       weight_decay=group["weight_decay"])
         cached_values, tensors = self._hp_tensors.setdefault(
-            (id(group), device), ({}, {k: torch.zeros((), device=device) for k in _HYPERPARAMS}))
+            # float64, like torch.optim's Python-float hyperparameters: 1 - beta2 computed from an fp32 beta2
+            # would be off by 1e-5 relative
+            (id(group), device), ({}, {k: torch.zeros((), dtype=torch.float64, device=device) for k in _HYPERPARAMS}))
         out = {}
         for key, value in values.items():
             if isinstance(value, Tensor):
-                out[key] = value.to(device=device, dtype=torch.float32).reshape(())
+                out[key] = value.to(device=device, dtype=torch.float64).reshape(())
                 continue
             if cached_values.get(key) != value:
                 tensors[key].fill_(value)

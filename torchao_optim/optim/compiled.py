@@ -25,6 +25,8 @@ def compiled(fn: Callable) -> Callable:
 
 def _compile_errors():
     errors = [torch._dynamo.exc.TorchDynamoException]
+    if hasattr(torch._dynamo.exc, "FailOnRecompileLimitHit"):
+        errors.append(torch._dynamo.exc.FailOnRecompileLimitHit)
     try:
         from torch._inductor.exc import CppCompileError, InductorError
 

@@ -82,7 +82,8 @@ def quantize_nearest(y: torch.Tensor, spec: DynamicMapSpec) -> torch.Tensor:
 
     Arithmetic search: the decade comes from comparisons against the decade lower bounds, the position in
     the decade from one multiply-floor; the exact nearest value is then one of that rank and its two
-    neighbours, which absorbs any rounding in the arithmetic. Ties go to the smaller magnitude.
+    neighbours, which absorbs any rounding in the arithmetic. Ties go to the smaller magnitude. In the
+    unsigned map a positive value is never rounded to 0, but to the smallest positive value.
     """
     a = y.abs()
     lower = torch.full_like(a, spec.lower[0])
@@ -111,6 +112,10 @@ def quantize_nearest(y: torch.Tensor, spec: DynamicMapSpec) -> torch.Tensor:
     best = torch.where(err_hi < torch.minimum(err, err_lo), rank_hi, best)
     if spec.signed:
         best = torch.where(y < 0, spec.zero_code - best, spec.zero_code + best)
+    else:
+        # Never round a positive value to 0 in the unsigned map (exp_avg_sq): Adam divides by sqrt(v), and
+        # a v rounded to 0 would turn an element's tiny update into one of size lr * m / eps.
+        best = torch.where((a > 0) & (best == 0), 1, best)
     return best.to(torch.uint8)
 
 
