@@ -1,0 +1,583 @@
+"""Convergence benchmark: does 8-bit optimizer state train a language model as well as fp32 AdamW?
+
+Trains a small GPT (``gpt.py``) as a byte-level language model on the Python standard library's own
+source files (``stdlib_corpus.py``), which ship with every Python: no download, no GPU needed. Each
+optimizer is trained once per seed, and every optimizer of a seed starts from the same weights and sees the
+same batches in the same order. The learning rate follows a linear warm-up then a cosine decay, assigned
+each step as a Python float to ``group["lr"]`` (for our optimizers this must not recompile anything).
+
+Optimizers (``--optims``, comma separated):
+
+- ``AdamW``: ``torch.optim.AdamW``, the fp32 reference;
+- ``AdamW8bit``: ``torchao_optim.AdamW8bit``;
+- ``AdamW-<format>``: ``torchao_optim.AdamW(..., state_format=<format>)``, for every registered format
+  (``torchao_optim.list_state_formats()``) and ``none`` (fp32 state through our update);
+- ``bnb``: ``bitsandbytes.optim.AdamW8bit``; ``torchao``: ``torchao.optim.AdamW8bit`` (if installed).
+
+The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format not already
+covered by ``AdamW8bit``, over seeds 0 and 1, with the ``small`` model: a few minutes on a 2-core CPU.
+
+Written under ``--out`` (default ``results/convergence``):
+
+- ``results.md``: the table below, also printed: final validation loss per optimizer (mean ± range over
+  seeds, range = max - min), training time, optimizer-state memory and bytes per parameter;
+- ``results.json``: the configuration, environment, every run's curves and the final numbers;
+- ``val_loss.png``: validation-loss curves (needs matplotlib; skipped with a note without it).
+
+Acceptance check, printed and saved: each optimizer's mean final validation loss is within AdamW's
+seed-to-seed spread: ``|mean - AdamW's mean| <= AdamW's range`` (range = max - min over at least two seeds).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # gpt.py, stdlib_corpus.py
+try:
+    import torchao_optim
+except ImportError:  # not installed: use the checkout this script belongs to
+    sys.path.insert(1, os.path.dirname(HERE))
+    import torchao_optim
+from gpt import GPT, GPTConfig  # noqa: E402
+from stdlib_corpus import load_stdlib_corpus  # noqa: E402
+from torchao_optim.state import QuantizedState  # noqa: E402
+
+REFERENCE = "AdamW"
+ALIASES = {"AdamW8bit": "dtq8"}  # our named optimizers, and the state format each one is
+
+
+# ---- model presets -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Preset:
+    """A model, and the training settings used when the corresponding flag is not given."""
+
+    model: GPTConfig
+    steps: int
+    batch_size: int
+    lr: float
+    note: str
+
+
+PRESETS: Dict[str, Preset] = {
+    "tiny": Preset(GPTConfig(d_model=64, n_layer=2, n_head=2, context=64), steps=300, batch_size=16, lr=3e-3,
+                   note="tests and smoke runs"),
+    "small": Preset(GPTConfig(d_model=128, n_layer=3, n_head=4, context=64), steps=300, batch_size=16, lr=2e-3,
+                    note="the default: a few minutes on a 2-core CPU"),
+    "gpt10m": Preset(GPTConfig(d_model=384, n_layer=6, n_head=6, context=256), steps=3000, batch_size=32, lr=1e-3,
+                     note="a GPU"),
+    "gpt25m": Preset(GPTConfig(d_model=512, n_layer=8, n_head=8, context=256), steps=5000, batch_size=32, lr=6e-4,
+                     note="a GPU; about 25.6M parameters"),
+}
+
+
+# ---- optimizers ----------------------------------------------------------------------------------------
+
+OptimizerFactory = Callable[..., torch.optim.Optimizer]
+
+
+def _ours(state_format: str) -> OptimizerFactory:
+    def make(groups, lr, betas, eps):
+        return torchao_optim.AdamW(groups, lr=lr, betas=betas, eps=eps, state_format=state_format, compile=True)
+
+    return make
+
+
+def _peer(module: str, pip_name: str) -> OptimizerFactory:
+    def make(groups, lr, betas, eps):
+        import importlib
+
+        return importlib.import_module(module).AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
+
+    make.requires = (module.split(".")[0], pip_name)
+    return make
+
+
+def optimizer_factories() -> Dict[str, OptimizerFactory]:
+    """Every optimizer name ``--optims`` accepts, and how to build it from parameter groups."""
+    factories: Dict[str, OptimizerFactory] = {
+        REFERENCE: lambda groups, lr, betas, eps: torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps),
+        "AdamW8bit": lambda groups, lr, betas, eps: torchao_optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps,
+                                                                           compile=True),
+    }
+    for fmt in torchao_optim.list_state_formats() + ["none"]:
+        factories[f"AdamW-{fmt}"] = _ours(fmt)
+    factories["bnb"] = _peer("bitsandbytes.optim", "bitsandbytes")
+    factories["torchao"] = _peer("torchao.optim", "torchao")
+    return factories
+
+
+def default_optims() -> List[str]:
+    """AdamW, AdamW8bit, and every registered format that no alias above already covers."""
+    covered = set(ALIASES.values())
+    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in torchao_optim.list_state_formats() if f not in covered]
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Assign the step's learning rate, a Python float, to every group. (torchao's optimizers keep ``lr``
+    as a tensor and reject a float, so theirs is filled in place.)"""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int, final_frac: float = 0.1) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then a cosine decay to ``final_frac * peak``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state``, tensor subclasses counted by their inner tensors, each
+    storage counted once (torchao's subclasses, for instance, may share a code table)."""
+    seen = set()
+    total = 0
+
+    def add(t: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(t, QuantizedState):
+            for inner in t.fields().values():
+                add(inner)
+        elif type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # another library's subclass
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        else:
+            key = (t.device, t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                add(value)
+    return total
+
+
+def compiled_graph_count() -> int:
+    """Graphs torch.compile has produced so far in this process."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # private API: report nothing rather than fail the benchmark
+        return -1
+
+
+# ---- progress bar --------------------------------------------------------------------------------------
+
+try:
+    from tqdm.auto import tqdm
+except ImportError:  # the [bench] extra installs tqdm; without it, print a line now and then
+    class tqdm:  # noqa: N801
+        def __init__(self, iterable, desc="", **_):
+            self.iterable, self.desc, self.postfix = iterable, desc, {}
+
+        def __iter__(self):
+            n = len(self.iterable)
+            for i, item in enumerate(self.iterable):
+                yield item
+                if (i + 1) % max(1, n // 10) == 0 or i + 1 == n:
+                    print(f"{self.desc}: {i + 1}/{n} {self.postfix}", file=sys.stderr, flush=True)
+
+        def set_postfix(self, **kwargs):
+            self.postfix = kwargs
+
+        def close(self):
+            pass
+
+
+# ---- one run -------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate(model: GPT, batches, device) -> float:
+    """Mean loss over the fixed validation batches."""
+    model.eval()
+    losses = [model(x.to(device), y.to(device)).item() for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def _finite_or_none(x: float) -> Optional[float]:
+    return x if math.isfinite(x) else None
+
+
+def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batches, device) -> dict:
+    """Train a fresh model with optimizer ``name`` on seed ``seed``; return the run's record."""
+    torch.manual_seed(seed)
+    model = GPT(model_cfg)  # built on the CPU, so the weights depend on the seed only
+    init_checksum = sum(p.double().sum().item() for p in model.parameters())
+    model.to(device)
+    groups = model.param_groups(args.weight_decay)
+    optimizer = optimizer_factories()[name](groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
+    batch_gen = torch.Generator().manual_seed(seed)  # same batches in the same order for every optimizer
+
+    val_curve = [(0, evaluate(model, val_batches, device))]
+    train_losses: List[Optional[float]] = []
+    step_times: List[float] = []
+    graphs_before = compiled_graph_count()
+    bar = tqdm(range(args.steps), desc=f"{name} seed {seed}", dynamic_ncols=True, leave=True)
+    for step in bar:
+        set_lr(optimizer, lr_at(step, args.lr, args.warmup, args.steps))
+        x, y = corpus.train_batch(args.batch_size, args.seq_len, batch_gen)
+        x, y = x.to(device), y.to(device)
+        start = time.perf_counter()
+        loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = loss.item()  # waits for the device
+        step_times.append(time.perf_counter() - start)
+        train_losses.append(_finite_or_none(loss_value))
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            val_curve.append((step + 1, evaluate(model, val_batches, device)))
+        bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_curve[-1][1]:.3f}", refresh=False)
+    bar.close()
+
+    n_params = model.num_params()
+    state_bytes = state_nbytes(optimizer)
+    final = val_curve[-1][1]
+    return {
+        "optimizer": name,
+        "seed": seed,
+        "init_param_checksum": init_checksum,
+        "final_val_loss": _finite_or_none(final),
+        "diverged": not math.isfinite(final),
+        "val_curve": [[s, _finite_or_none(v)] for s, v in val_curve],
+        "train_loss": train_losses,
+        "train_time_s": sum(step_times),
+        "first_step_s": step_times[0],
+        "compiled_graphs": None if graphs_before < 0 else compiled_graph_count() - graphs_before,
+        "state_bytes": state_bytes,
+        "state_bytes_per_param": state_bytes / n_params,
+        "n_params": n_params,
+    }
+
+
+# ---- summary -------------------------------------------------------------------------------------------
+
+def summarize(runs: List[dict], optims: Sequence[str]) -> Dict[str, dict]:
+    """Per optimizer: the final validation loss over seeds (mean, min, max, range), times and memory."""
+    out = {}
+    for name in optims:
+        rs = [r for r in runs if r["optimizer"] == name]
+        finals = [r["final_val_loss"] for r in rs]
+        ok = [f for f in finals if f is not None]
+        out[name] = {
+            "seeds": [r["seed"] for r in rs],
+            "final_val_loss": finals,
+            "mean": sum(ok) / len(ok) if ok and len(ok) == len(finals) else None,
+            "min": min(ok) if ok else None,
+            "max": max(ok) if ok else None,
+            "range": (max(ok) - min(ok)) if ok else None,
+            "train_time_s_mean": sum(r["train_time_s"] for r in rs) / len(rs),
+            "first_step_s_max": max(r["first_step_s"] for r in rs),
+            "state_bytes": rs[0]["state_bytes"],
+            "state_bytes_per_param": rs[0]["state_bytes_per_param"],
+        }
+    return out
+
+
+def acceptance(summary: Dict[str, dict]) -> Dict[str, dict]:
+    """For each optimizer but the reference: is its mean final validation loss within the reference's
+    seed-to-seed spread, ``|mean - reference mean| <= reference range`` (range = max - min over seeds)?
+    Undecided (None) with fewer than two reference seeds; failed if the optimizer diverged."""
+    ref = summary.get(REFERENCE)
+    checks = {}
+    for name, s in summary.items():
+        if name == REFERENCE:
+            continue
+        decidable = ref is not None and len(ref["seeds"]) >= 2 and ref["mean"] is not None
+        difference = s["mean"] - ref["mean"] if decidable and s["mean"] is not None else None
+        if s["mean"] is None:
+            passed = False  # a diverged run
+        elif not decidable:
+            passed = None
+        else:
+            passed = abs(difference) <= ref["range"]
+        checks[name] = {
+            "mean": s["mean"],
+            "difference_of_means": difference,
+            "reference_range": ref["range"] if decidable else None,
+            # also recorded: the stricter reading, the mean inside the reference's [min, max]
+            "within_reference_min_max": None if difference is None else ref["min"] <= s["mean"] <= ref["max"],
+            "passed": passed,
+        }
+    return checks
+
+
+def _fmt(x: Optional[float], digits: int = 3) -> str:
+    return "nan" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(summary: Dict[str, dict], checks: Dict[str, dict]) -> str:
+    lines = [
+        "| optimizer | final val loss (mean ± range) | per seed | Δ mean vs AdamW | train time (s) | first step (s) "
+        "| state memory (MiB) | state bytes / param |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    ref_mean = summary.get(REFERENCE, {}).get("mean")
+    for name, s in summary.items():
+        delta = "—" if name == REFERENCE or ref_mean is None or s["mean"] is None else f"{s['mean'] - ref_mean:+.4f}"
+        per_seed = ", ".join(_fmt(f) for f in s["final_val_loss"])
+        lines.append(
+            f"| {name} | {_fmt(s['mean'])} ± {_fmt(s['range'])} | {per_seed} | {delta} "
+            f"| {s['train_time_s_mean']:.1f} | {s['first_step_s_max']:.1f} "
+            f"| {s['state_bytes'] / 2**20:.2f} | {s['state_bytes_per_param']:.2f} |"
+        )
+    lines += [
+        "",
+        "Final val loss: mean over seeds ± range (max − min over seeds), in nats per byte (ln 256 = 5.545 is "
+        "a uniform guess). Train time: mean per run of the training steps' wall time, evaluation excluded; "
+        "first step: the slowest first step over seeds (it includes torch.compile for our optimizers). "
+        "State memory: every tensor in `optimizer.state`, quantized state counted by its inner tensors.",
+        "",
+    ]
+    for name, c in checks.items():
+        verdict = {True: "PASS", False: "FAIL", None: "undecided (needs AdamW with at least two seeds)"}[c["passed"]]
+        if c["difference_of_means"] is not None:
+            lines.append(f"- Acceptance, {name}: |mean − AdamW mean| = {abs(c['difference_of_means']):.4f} "
+                         f"{'≤' if c['passed'] else '>'} AdamW's seed range {c['reference_range']:.4f}: {verdict}")
+        else:
+            lines.append(f"- Acceptance, {name}: {verdict}" + (" (diverged)" if c["mean"] is None else ""))
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(runs: List[dict], optims: Sequence[str], path: Path) -> Optional[str]:
+    """Validation loss against step (one colour per optimizer, one line per seed); with AdamW among the
+    runs, a second panel shows each run's difference to AdamW on the same seed. Returns a note if skipped."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: skipped the plot (pip install matplotlib)"
+    has_ref = REFERENCE in optims
+    fig, axes = plt.subplots(1, 2 if has_ref else 1, figsize=(12 if has_ref else 6.5, 4.5), squeeze=False)
+    ref = {r["seed"]: dict(r["val_curve"]) for r in runs if r["optimizer"] == REFERENCE}
+    for i, name in enumerate(optims):
+        color = f"C{i}"
+        for j, r in enumerate(rr for rr in runs if rr["optimizer"] == name):
+            steps = [s for s, v in r["val_curve"] if v is not None]
+            vals = [v for s, v in r["val_curve"] if v is not None]
+            style = ["-", "--", ":", "-."][j % 4]
+            axes[0][0].plot(steps, vals, style, color=color, label=f"{name} seed {r['seed']}")
+            if has_ref and name != REFERENCE and r["seed"] in ref:
+                diffs = [(s, v - ref[r["seed"]][s]) for s, v in zip(steps, vals) if ref[r["seed"]].get(s) is not None]
+                axes[0][1].plot([s for s, _ in diffs], [d for _, d in diffs], style, color=color,
+                                label=f"{name} seed {r['seed']}")
+    axes[0][0].set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss")
+    axes[0][0].legend(fontsize="small")
+    axes[0][0].grid(alpha=0.3)
+    if has_ref:
+        axes[0][1].axhline(0.0, color="C0", lw=1)
+        axes[0][1].set(xlabel="step", ylabel="val loss − AdamW val loss (same seed)", title="Difference to fp32 AdamW")
+        axes[0][1].grid(alpha=0.3)
+        if len(optims) > 1:
+            axes[0][1].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ---- command line --------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    presets = "\n".join(
+        f"  {k:7s} d_model {p.model.d_model}, {p.model.n_layer} layers, {p.model.n_head} heads, context "
+        f"{p.model.context}, {p.model.num_params() / 1e6:.2f}M params; {p.steps} steps x batch {p.batch_size}, "
+        f"lr {p.lr:g}: {p.note}" for k, p in PRESETS.items()
+    )
+    parser = argparse.ArgumentParser(
+        description="Train a byte-level GPT on the Python standard library's source once per optimizer and "
+                    "seed, and compare final validation losses, training time and optimizer-state memory.",
+        epilog=f"model presets (--model_size; --steps, --batch_size, --lr override their defaults):\n{presets}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--optims", default=",".join(default_optims()),
+                        help="comma-separated optimizers: AdamW (torch.optim.AdamW), AdamW8bit "
+                             "(torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) for FMT in "
+                             f"{', '.join(torchao_optim.list_state_formats() + ['none'])}, bnb "
+                             "(bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit). Default: %(default)s")
+    parser.add_argument("--model_size", default="small", choices=list(PRESETS),
+                        help="model preset, see below. Default: %(default)s")
+    parser.add_argument("--steps", type=int, default=None, help="training steps. Default: the preset's")
+    parser.add_argument("--batch_size", type=int, default=None, help="sequences per batch. Default: the preset's")
+    parser.add_argument("--seq_len", type=int, default=None,
+                        help="bytes per sequence, at most the preset's context. Default: the context")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate. Default: the preset's")
+    parser.add_argument("--warmup", type=int, default=None, help="linear warm-up steps. Default: 5%% of --steps")
+    parser.add_argument("--beta1", type=float, default=0.9, help="Adam beta1. Default: %(default)s")
+    parser.add_argument("--beta2", type=float, default=0.95, help="Adam beta2. Default: %(default)s")
+    parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon. Default: %(default)s")
+    parser.add_argument("--weight_decay", type=float, default=0.1,
+                        help="decoupled weight decay of the weight matrices; embeddings, biases and LayerNorm "
+                             "weights get none. Default: %(default)s")
+    parser.add_argument("--seeds", default="0,1",
+                        help="comma-separated seeds, each setting the initial weights and the batch order. "
+                             "Default: %(default)s")
+    parser.add_argument("--eval_every", type=int, default=None,
+                        help="steps between validation evaluations (and after the last step). Default: --steps / 10")
+    parser.add_argument("--eval_batches", type=int, default=8,
+                        help="fixed validation batches of --batch_size sequences per evaluation. Default: %(default)s")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
+                        help="device to train on. Default: cuda if available, else cpu")
+    parser.add_argument("--out", default="results/convergence",
+                        help="directory for results.md, results.json and val_loss.png. Default: %(default)s")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse and complete the flags; a bad request exits with a one-line error."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    preset = PRESETS[args.model_size]
+
+    def fail(message: str):
+        print(f"{parser.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+    args.steps = preset.steps if args.steps is None else args.steps
+    args.batch_size = preset.batch_size if args.batch_size is None else args.batch_size
+    args.seq_len = preset.model.context if args.seq_len is None else args.seq_len
+    args.lr = preset.lr if args.lr is None else args.lr
+    args.warmup = max(1, args.steps // 20) if args.warmup is None else args.warmup
+    args.eval_every = max(1, args.steps // 10) if args.eval_every is None else args.eval_every
+    if min(args.steps, args.batch_size, args.seq_len, args.warmup, args.eval_every, args.eval_batches) < 1:
+        fail("--steps, --batch_size, --seq_len, --warmup, --eval_every and --eval_batches must be positive")
+    if args.seq_len > preset.model.context:
+        fail(f"--seq_len {args.seq_len} exceeds the {args.model_size} model's context of {preset.model.context}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda, but torch.cuda.is_available() is False")
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--seeds must be comma-separated integers, got {args.seeds!r}")
+    if not args.seeds:
+        fail("--seeds is empty")
+
+    factories = optimizer_factories()
+    args.optims = [o.strip() for o in args.optims.split(",") if o.strip()]
+    for name in args.optims:
+        if name not in factories:
+            fail(f"unknown optimizer {name!r}; choose from {', '.join(factories)}")
+        requires = getattr(factories[name], "requires", None)
+        if requires is not None:
+            module, pip_name = requires
+            try:
+                __import__(module)
+            except Exception as err:  # ImportError, or a broken install that fails while importing
+                fail(f"--optims {name} needs {pip_name}, which could not be imported ({type(err).__name__}: "
+                     f"{str(err).splitlines()[0] if str(err) else ''}); pip install {pip_name}")
+    if len(set(args.optims)) != len(args.optims) or not args.optims:
+        fail(f"--optims must name each optimizer once, got {args.optims}")
+    return args
+
+
+def environment(device: str) -> dict:
+    env = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "torchao_optim": torchao_optim.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "device": device,
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+    for module in ("bitsandbytes", "torchao"):
+        if module in sys.modules:
+            env[module] = getattr(sys.modules[module], "__version__", "unknown")
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run the benchmark; returns what it writes to ``results.json``."""
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the model; optimizer math stays fp32
+        torch.backends.cudnn.allow_tf32 = True
+    preset = PRESETS[args.model_size]
+    wall_start = time.perf_counter()
+
+    corpus = load_stdlib_corpus()
+    val_batches = corpus.val_batches(args.eval_batches, args.batch_size, args.seq_len)
+    n_params = preset.model.num_params()
+    print(f"corpus: {corpus.train.numel() / 1e6:.1f} MB train ({corpus.n_train_files} files), "
+          f"{corpus.val.numel() / 1e6:.2f} MB validation ({corpus.n_val_files} files) from {corpus.root}")
+    print(f"model: {args.model_size} ({n_params / 1e6:.2f}M params); {args.steps} steps x {args.batch_size} x "
+          f"{args.seq_len} bytes; lr {args.lr:g}; seeds {args.seeds}; optimizers {', '.join(args.optims)}; "
+          f"device {device}")
+
+    runs = []
+    for seed in args.seeds:
+        for name in args.optims:
+            runs.append(train_one(name, seed, args, preset.model, corpus, val_batches, device))
+
+    summary = summarize(runs, args.optims)
+    checks = acceptance(summary)
+    table = markdown_table(summary, checks)
+    plot_note = plot_curves(runs, args.optims, out / "val_loss.png")
+    config = {k: v for k, v in vars(args).items()}
+    config["model"] = preset.model.to_dict()
+    config["n_params"] = n_params
+    config["lr_schedule"] = "linear warm-up, then cosine to 0.1 x lr, assigned as a float to group['lr'] each step"
+    result = {
+        "config": config,
+        "corpus": corpus.describe(),
+        "environment": environment(device.type),
+        "spread": "range = max - min over seeds",
+        "summary": summary,
+        "acceptance": {"criterion": "|mean final val loss - AdamW's| <= AdamW's range (max - min) over seeds",
+                       **checks},
+        "runs": runs,
+        "total_wall_time_s": time.perf_counter() - wall_start,
+    }
+    with open(out / "results.json", "w") as f:
+        json.dump(result, f, indent=1, allow_nan=False)
+    (out / "results.md").write_text(table)
+    print()
+    print(table)
+    if plot_note:
+        print(plot_note)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + ("" if plot_note else f", {out / 'val_loss.png'}"))
+    return result
+
+
+if __name__ == "__main__":
+    main()

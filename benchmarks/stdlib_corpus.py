@@ -1,0 +1,108 @@
+"""A byte-level language-modelling corpus that ships with every Python: the standard library's own source.
+
+Every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]`` (installed packages and test suites left out)
+is read as raw bytes, so the vocabulary is the 256 byte values and no tokenizer is needed. Files are sorted
+by path and split into train and validation *by file*, with a hash of the path, so no file contributes to
+both and the split does not depend on how many files a Python version ships. Within a split, files are
+concatenated with a zero byte (which never occurs in source text) between them.
+
+Batches are windows of ``seq_len + 1`` bytes: training windows start at offsets drawn from a seeded
+``torch.Generator`` (same seed, same batches, whatever the optimizer), validation windows at a fixed set of
+evenly spaced offsets (the same for every run).
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import torch
+
+__all__ = ["StdlibCorpus", "load_stdlib_corpus", "stdlib_source_files"]
+
+# Directory names left out of the corpus: installed third-party packages, and the (large, repetitive)
+# test suites.
+SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
+VOCAB_SIZE = 256
+FILE_SEPARATOR = 0
+
+
+def stdlib_source_files(root: Optional[Path] = None) -> List[Path]:
+    """The standard library's ``*.py`` files, sorted by their path relative to ``root`` (the stdlib)."""
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIPPED_DIRS]  # never descend into them
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_validation_file(relative_path: str, val_every: int) -> bool:
+    """About one file in ``val_every`` is a validation file, chosen by a CRC-32 of its relative path."""
+    return zlib.crc32(relative_path.encode("utf-8")) % val_every == 0
+
+
+@dataclass
+class StdlibCorpus:
+    """The two splits as flat ``uint8`` tensors of bytes, and where they came from."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    root: str
+    n_train_files: int
+    n_val_files: int
+
+    def describe(self) -> dict:
+        return {
+            "source": "Python standard library *.py files (byte level, vocab 256)",
+            "stdlib": self.root,
+            "train_files": self.n_train_files,
+            "val_files": self.n_val_files,
+            "train_bytes": self.train.numel(),
+            "val_bytes": self.val.numel(),
+        }
+
+    def train_batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-byte targets, both ``(batch_size, seq_len)`` int64, at random offsets."""
+        starts = torch.randint(0, self.train.numel() - seq_len - 1, (batch_size,), generator=generator)
+        return _windows(self.train, starts, seq_len)
+
+    def val_batches(self, n_batches: int, batch_size: int, seq_len: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """``n_batches`` fixed validation batches: windows evenly spaced over the validation split."""
+        n_windows = n_batches * batch_size
+        last_start = self.val.numel() - seq_len - 1
+        if last_start < n_windows:
+            raise ValueError(f"the validation split ({self.val.numel()} bytes) is too small for {n_windows} windows")
+        starts = torch.linspace(0, last_start, n_windows).long()
+        return [_windows(self.val, chunk, seq_len) for chunk in starts.split(batch_size)]
+
+
+def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def load_stdlib_corpus(root: Optional[Path] = None, val_every: int = 10) -> StdlibCorpus:
+    """Read the standard library's sources and split them by file, about 1 in ``val_every`` for validation."""
+    root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
+    splits = {True: [], False: []}
+    for path in stdlib_source_files(root):
+        splits[is_validation_file(path.relative_to(root).as_posix(), val_every)].append(path.read_bytes())
+    if not splits[True] or not splits[False]:
+        raise RuntimeError(f"found too few *.py files under {root} to build a train/validation split")
+
+    def join(contents: List[bytes]) -> torch.Tensor:
+        blob = bytes([FILE_SEPARATOR]).join(contents)
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+    return StdlibCorpus(
+        train=join(splits[False]),
+        val=join(splits[True]),
+        root=str(root),
+        n_train_files=len(splits[False]),
+        n_val_files=len(splits[True]),
+    )
