@@ -1,7 +1,6 @@
 """Adam and AdamW with low-bit state: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional
 
 import torch

@@ -38,7 +38,7 @@ def triton_available() -> bool:
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
-    """Element i of ``base`` as a 0-d tensor sharing its storage, with no view relation (see adam._flat)."""
+    """Element i of ``base`` as a 0-d tensor sharing its storage, with no view relation (see adam._alias)."""
     return base.new_empty(0).set_(base.untyped_storage(), base.storage_offset() + i, (), ())
 
 

@@ -82,7 +82,8 @@ class StateFormatTestCase(expecttest.TestCase):
             finite = torch.isfinite(blk)
             absmax = blk[finite].abs().max() if finite.any() else torch.tensor(0.0)
             err = (blk - got)[finite].abs().max() if finite.any() else torch.tensor(0.0)
-            self.assertLessEqual(err.item(), self.max_error[signed] * absmax.item() * (1 + 1e-5) + 1e-30)  # + fp32 rounding
+            bound = self.max_error[signed] * absmax.item() * (1 + 1e-5) + 1e-30  # + fp32 rounding
+            self.assertLessEqual(err.item(), bound)
 
     # ---- construction -------------------------------------------------------------------------------
     def test_from_float_round_trip_error(self):
