@@ -388,7 +388,8 @@ def plot_curves(runs: List[dict], optims: Sequence[str], path: Path) -> Optional
     axes[0][0].grid(alpha=0.3)
     if has_ref:
         axes[0][1].axhline(0.0, color="C0", lw=1)
-        axes[0][1].set(xlabel="step", ylabel="val loss − AdamW val loss (same seed)", title="Difference to fp32 AdamW")
+        axes[0][1].set(xlabel="step", ylabel="val loss − AdamW val loss (same seed)",
+                       title="Difference to fp32 AdamW")
         axes[0][1].grid(alpha=0.3)
         if len(optims) > 1:
             axes[0][1].legend(fontsize="small")

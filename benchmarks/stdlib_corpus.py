@@ -65,7 +65,8 @@ class StdlibCorpus:
             "val_bytes": self.val.numel(),
         }
 
-    def train_batch(self, batch_size: int, seq_len: int, generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(self, batch_size: int, seq_len: int,
+                    generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-byte targets, both ``(batch_size, seq_len)`` int64, at random offsets."""
         starts = torch.randint(0, self.train.numel() - seq_len - 1, (batch_size,), generator=generator)
         return _windows(self.train, starts, seq_len)
