@@ -31,6 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_finetune_table sits beside this file
+from render_finetune_table import format_duration  # noqa: E402
+
 try:
     import torchao_optim
 except ImportError:  # run from a checkout without installing: the package sits beside benchmarks/
@@ -403,16 +406,6 @@ def device_name(device: torch.device) -> str:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def format_duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    minutes, secs = divmod(int(round(seconds)), 60)
-    if minutes < 60:
-        return f"{minutes}m {secs}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes}m {secs}s"
 
 
 # ---- arguments --------------------------------------------------------------------------------------

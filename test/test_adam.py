@@ -924,6 +924,11 @@ class TestCheckpoint(expecttest.TestCase):
         at_load = [p.detach().clone() for p in ref]
         problem.train(o, ours, 10, start=5)
         problem.train(r, ref, 10, start=5)
+        self.assert_trains_close(ours, ref, at_load)
+
+    def assert_trains_close(self, ours, ref, at_load):
+        """After loading, quantized parameters move like the reference within the 8-bit bounds; the others
+        (fp32 state) match it to 1e-6."""
         for p, q, t in zip(ours, ref, at_load):
             if p.numel() >= 4096:
                 mean_err, max_err = update_error(p, q, t)
@@ -955,13 +960,7 @@ class TestCheckpoint(expecttest.TestCase):
         at_load = [p.detach().clone() for p in ours]
         problem.train(o, ours, 10, start=5)
         problem.train(r, ref, 10, start=5)
-        for p, q, t in zip(ours, ref, at_load):
-            if p.numel() >= 4096:
-                mean_err, max_err = update_error(p, q, t)
-                self.assertLessEqual(mean_err, MEAN_ERROR_BOUND, f"shape {tuple(p.shape)}")
-                self.assertLessEqual(max_err, MAX_ERROR_BOUND, f"shape {tuple(p.shape)}")
-            else:
-                self.assertLessEqual(rel_err(p, q), 1e-6)
+        self.assert_trains_close(ours, ref, at_load)
 
     def test_dequantized_state_dict_into_fp32_state_optimizer(self):
         """To leave 8-bit state: dequantize_state_dict(opt.state_dict()) loads into our state_format="none"
