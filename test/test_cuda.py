@@ -6,7 +6,7 @@ import torch
 
 import torchao_optim
 from torchao_optim import DTQ8bitTensor
-from torchao_optim.optim.fused import triton_available
+from torchao_optim.optim.fused import fused_available
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -33,7 +33,7 @@ def code_step(state):
     return 0.9 / 64 * state.absmax.max().item()
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.skipif(not fused_available(), reason="needs Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_matches_compiled_path(dtype):
     # The two paths round differently (FMA, the fused quantizer decides on a rounded position), so a value
@@ -112,7 +112,7 @@ def test_params_that_stop_and_start_having_grads_and_late_groups():
     assert all(torch.isfinite(p).all() for p in params)
 
 
-@pytest.mark.skipif(not triton_available(), reason="needs Triton")
+@pytest.mark.skipif(not fused_available(), reason="needs Triton")
 def test_moving_gradients_do_not_rebuild_plans(monkeypatch):
     # zero_grad(set_to_none=True) + backward gives gradients new addresses; only their table is refreshed
     import torchao_optim.optim.fused as fused

@@ -7,13 +7,12 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.fused import plan_group, triton_available
-from torchao_optim.optim.update import adam_step_scalars, adam_update
+from torchao_optim.optim.fused import fused_available, plan_group
+from torchao_optim.optim.update import adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_state_dict"]
 
-_HYPERPARAMS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 _STORAGE_KEYS = ("state_format", "block_size", "min_quant_size", "decoupled_weight_decay")
 
 
@@ -131,9 +130,9 @@ class Adam(torch.optim.Optimizer):
         self._update = CompiledOrEager(adam_update, enabled=compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
-        if fused and not triton_available():
+        if fused and not fused_available():
             raise RuntimeError("fused=True needs Triton and a CUDA device")
-        self._fused = triton_available() if fused is None else bool(fused)
+        self._fused = fused_available() if fused is None else bool(fused)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -212,25 +211,25 @@ class Adam(torch.optim.Optimizer):
                     self.state[p] = dict(state_dict["state"][pid])
                     self._conform_state(p, group, self.state[p])
 
-    # ---- hyperparameters as 0-d tensors: changing them never recompiles -----------------------------
-    def _hyperparams(self, group, device: torch.device) -> Dict[str, Tensor]:
-        """0-d tensors on ``device`` holding the group's hyperparameters, refilled only when they change."""
-        values = dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1], eps=group["eps"],
-                      weight_decay=group["weight_decay"])
-        cached_values, tensors = self._hp_tensors.setdefault(
-            # float64, like torch.optim's Python-float hyperparameters: 1 - beta2 computed from an fp32 beta2
-            # would be off by 1e-5 relative
-            (id(group), device), ({}, {k: torch.zeros((), dtype=torch.float64, device=device) for k in _HYPERPARAMS}))
-        out = {}
-        for key, value in values.items():
+    # ---- hyperparameters as a device tensor: changing them never recompiles, never syncs ---------------
+    def _hyperparams(self, group, device: torch.device) -> Tensor:
+        """The group's ``(lr, beta1, beta2, eps, weight_decay)`` as a float64 tensor on ``device`` (the input of
+        :func:`adam_coefficients`), refilled only where a value changed; a tensor lr on the device is copied
+        there without a host sync."""
+        values = (group["lr"], group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
+        cached, hp = self._hp_tensors.setdefault(
+            (id(group), device), ([None] * 5, torch.zeros(5, dtype=torch.float64, device=device)))
+        for i, value in enumerate(values):
             if isinstance(value, Tensor):
-                out[key] = value.to(device=device, dtype=torch.float64).reshape(())
-                continue
-            if cached_values.get(key) != value:
-                tensors[key].fill_(value)
-                cached_values[key] = value
-            out[key] = tensors[key]
-        return out
+                if value.device == device:
+                    hp[i].copy_(value.reshape(()))
+                    cached[i] = None
+                    continue
+                value = value.item()  # a CPU tensor: reading it costs no device sync
+            if cached[i] != value:
+                hp[i].fill_(value)
+                cached[i] = value
+        return hp
 
     # ---- the step -----------------------------------------------------------------------------------
     def _params_with_grad(self, group):
@@ -266,11 +265,9 @@ class Adam(torch.optim.Optimizer):
             rest = range(len(params))
             if params and self._fused:
                 plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, group["amsgrad"])
-                if plans:
-                    lr = group["lr"]
-                    hp = (float(lr), group["betas"][0], group["betas"][1], group["eps"], group["weight_decay"])
-                    for plan in plans:
-                        plan.launch(*hp, decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
+                for plan in plans:
+                    plan.launch(self._hyperparams(group, plan.params[0].device),
+                                decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
             for i in rest:
                 self._step_one(params[i], states[i], group)
         return loss
@@ -287,12 +284,10 @@ class Adam(torch.optim.Optimizer):
             grad = grad if grad.is_contiguous() else grad.contiguous()
             p, grad, states = _alias(p, shape), _alias(grad, shape), [None if s is None else _alias(s, shape)
                                                                       for s in states]
-        step_size, bias_correction2_sqrt = adam_step_scalars(state["step"], hp["lr"], hp["beta1"], hp["beta2"])
-        self._update(
-            p, grad, *states, hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"], step_size,
-            bias_correction2_sqrt, decoupled_weight_decay=group["decoupled_weight_decay"], amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-        )
+        state["step"].add_(1)
+        coefs = adam_coefficients(state["step"], hp, group["decoupled_weight_decay"])  # (8,)
+        self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
+                     amsgrad=group["amsgrad"], maximize=group["maximize"])
 
 
 class AdamW(Adam):

@@ -1,40 +1,61 @@
-"""The fused group step on CUDA: each parameter group is one or two kernel launches, whatever its shapes.
+"""The fused group step: each parameter group is one kernel launch per plan, whatever its shapes and formats.
 
-A :class:`GroupPlan` holds, for the parameters of one group that share a device and dtypes, the device
-tables the multi-tensor kernels read (pointers, sizes, the program -> (tensor, block) map) and the group's
-step counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set
-of parameters with gradients changes. Gradients move: ``zero_grad(set_to_none=True)`` frees them and
-backward allocates new ones, often elsewhere; so their addresses are a table of their own, refreshed with
-one non-blocking copy from pinned memory when they changed.
-Parameters the kernels do not cover (other formats, amsgrad, non-contiguous tensors, CPU) take the
-per-parameter compiled path.
+The planner reads each state's :class:`~torchao_optim.state.layout.StateLayout` (``fast_path_layout()``)
+and nothing else about its format: any format that describes itself that way is fused, including one
+written after the kernels. Parameters are bucketed into plans by (device, param dtype, grad dtype, the two
+states' layouts); a :class:`GroupPlan` holds the device tables one launch reads (pointers, sizes, the
+program -> (tensor, block) map, the encoder tables) and the plan's step counts, to which each parameter's
+``state["step"]`` is an alias. Plans are rebuilt only when the set of parameters with gradients changes.
+Gradients move (``zero_grad(set_to_none=True)`` frees them), so their addresses are a table of their own,
+refreshed with one non-blocking copy from pinned memory when one moved.
+
+Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
+Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
+``TRITON_INTERPRET=1`` is set before Triton is imported: slow, and meant for testing.
 """
 from __future__ import annotations
 
 import functools
+import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from torchao_optim.quant import dynamic_map_spec
-from torchao_optim.state import DTQ8bitTensor
+from torchao_optim.optim.update import adam_coefficients
+from torchao_optim.quant import bucket_tables, codebook_tensor
 
-__all__ = ["triton_available", "GroupPlan", "plan_group"]
+__all__ = ["fused_available", "GroupPlan", "plan_group"]
 
-FP32_STATE_BLOCK = 1024  # elements per program for fp32 state
-DTQ8_ROWS = 4  # quantization blocks per program for 8-bit state
+ROWS = 1  # quantization blocks per program
+NUM_WARPS = 2
+FP32_BLOCK = 256  # elements per row when neither state is quantized
+MAX_BLOCK = 4096  # a program holds ROWS blocks in registers
+
+
+def _interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
+def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
 
         from torchao_optim.kernels import triton_adam  # noqa: F401
     except Exception:
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def fused_available(device: Optional[torch.device] = None) -> bool:
+    """Whether the fused kernels can run on ``device`` (default: on some device of this machine)."""
+    if not _triton_importable():
+        return False
+    if device is None:
+        return torch.cuda.is_available() or _interpreter()
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and _interpreter())
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
@@ -42,44 +63,70 @@ def _alias0d(base: Tensor, i: int) -> Tensor:
     return base.new_empty(0).set_(base.untyped_storage(), base.storage_offset() + i, (), ())
 
 
-def kind_of(p: Tensor, state, amsgrad: bool) -> Optional[str]:
-    """"dtq8" or "fp32" if a fused kernel can update ``p``, else None."""
-    if amsgrad or p.device.type != "cuda" or not p.is_contiguous() or not p.grad.is_contiguous():
+def _state_layout(state) -> Optional[object]:
+    """"fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
+    if type(state) is Tensor:
+        return "fp32" if state.dtype == torch.float32 and state.is_contiguous() else None
+    get_layout = getattr(state, "fast_path_layout", None)
+    layout = get_layout() if get_layout is not None else None
+    if layout is None:
+        return None
+    bs = layout.block_size
+    return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
+
+
+def plan_key(p: Tensor, state, amsgrad: bool) -> Optional[tuple]:
+    """What a plan's parameters share, or None if no fused kernel can update ``p``."""
+    if amsgrad or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
         return None
     from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
     if p.dtype not in TRITON_DTYPES or p.grad.dtype not in TRITON_DTYPES:
         return None
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    if type(m) is DTQ8bitTensor and type(v) is DTQ8bitTensor:
-        bs = m.block_size
-        if m.signed and not v.signed and v.block_size == bs and bs & (bs - 1) == 0 and bs <= 4096:
-            return "dtq8"
+    m, v = _state_layout(state["exp_avg"]), _state_layout(state["exp_avg_sq"])
+    if m is None or v is None:
         return None
-    if type(m) is Tensor and type(v) is Tensor and m.dtype == v.dtype == torch.float32 and m.is_contiguous() \
-            and v.is_contiguous():
-        return "fp32"
-    return None
+    blocks = {x.block_size for x in (m, v) if x != "fp32"}
+    if len(blocks) > 1:
+        return None
+    return (m, v, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, p.grad.dtype)
+
+
+def _fields(state, layout) -> Tuple[int, int]:
+    """(codes or values pointer, scales pointer) of one state."""
+    if layout == "fp32":
+        return state.data_ptr(), 0
+    return getattr(state, layout.codes).data_ptr(), getattr(state, layout.scales).data_ptr()
+
+
+def _tables(layout, device) -> Tuple[Tensor, ...]:
+    """(decode values, level1, level2 with bounds) of a layout's codebook on ``device``; placeholders for fp32."""
+    if layout == "fp32":
+        placeholder = _placeholder(device)
+        return (placeholder,) * 3
+    t = bucket_tables(layout.codebook, layout.never_zero, device)
+    return codebook_tensor(layout.codebook, t.bounds), t.level1, _level2_with_bounds(layout, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _level2_with_bounds(layout, device) -> Tensor:
+    return bucket_tables(layout.codebook, layout.never_zero).level2_with_bounds().to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _placeholder(device) -> Tensor:
+    return torch.zeros(1, dtype=torch.float32, device=device)
 
 
 class GroupPlan:
-    """Device tables for one launch over ``params`` (all of one kind, device, param dtype and grad dtype)."""
+    """Device tables for one launch over ``params`` (all with the same :func:`plan_key`)."""
 
-    def __init__(self, kind: str, params: List[Tensor], states: List[dict]):
-        self.kind, self.params = kind, params
-        device = params[0].device
-        if kind == "dtq8":
-            self.block = states[0]["exp_avg"].block_size
-            self.rows = DTQ8_ROWS
-            rows = [
-                [p.data_ptr(), s["exp_avg"].codes.data_ptr(), s["exp_avg"].absmax.data_ptr(),
-                 s["exp_avg_sq"].codes.data_ptr(), s["exp_avg_sq"].absmax.data_ptr()]
-                for p, s in zip(params, states)
-            ]
-        else:
-            self.block, self.rows = FP32_STATE_BLOCK, 1
-            rows = [[p.data_ptr(), s["exp_avg"].data_ptr(), s["exp_avg_sq"].data_ptr()]
-                    for p, s in zip(params, states)]
+    def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
+        self.m_layout, self.v_layout, self.block, device, param_dtype, grad_dtype = key
+        self.params = params
+        self.rows = ROWS
+        rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
+                for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
@@ -88,21 +135,18 @@ class GroupPlan:
         programs = (numels + span - 1) // span
         self.n_programs = int(programs.sum())
         starts = torch.cumsum(programs, 0) - programs
-        prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs)
-        # first block of each program
-        prog_block = (torch.arange(self.n_programs, dtype=torch.int64)
-                      - torch.repeat_interleave(starts, programs)) * self.rows
+        self.prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs).to(device)
+        prog_block = (torch.arange(self.n_programs, dtype=torch.int64) - torch.repeat_interleave(starts, programs))
+        self.prog_block = (prog_block * self.rows).to(torch.int32).to(device)  # first block of each program
         self.numels = numels.to(device)
-        self.prog_tensor = prog_tensor.to(device)
-        self.prog_block = prog_block.to(torch.int32).to(device)
-        # One step counter per parameter, updated by one add_ per launch; state["step"] aliases it.
+        # One step counter per parameter, advanced by one add_ per launch; state["step"] aliases it.
         self.steps = torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states])
         for i, s in enumerate(states):
             s["step"] = _alias0d(self.steps, i)
+        self.tables = _tables(self.m_layout, device) + _tables(self.v_layout, device)
         from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
-        self.param_dtype = TRITON_DTYPES[params[0].dtype]
-        self.grad_dtype = TRITON_DTYPES[params[0].grad.dtype]
+        self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
 
     def refresh_grads(self) -> None:
         """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
@@ -114,36 +158,21 @@ class GroupPlan:
             self.grad_ptrs.copy_(host, non_blocking=True)
             self.grad_key = key
 
-    def launch(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               decoupled: bool, maximize: bool) -> None:
-        from torchao_optim.kernels import triton_adam as k
+    def launch(self, hyperparams: Tensor, decoupled: bool, maximize: bool) -> None:
+        """One Adam/AdamW step of every parameter of the plan; ``hyperparams`` as in ``adam_coefficients``."""
+        from torchao_optim.kernels.triton_adam import adam_kernel
 
         self.refresh_grads()
-        grid = (self.n_programs,)
-        common = dict(PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block,
-                      DECOUPLED=decoupled, MAXIMIZE=maximize)
-        if self.kind == "dtq8":
-            s, u = dynamic_map_spec(True), dynamic_map_spec(False)
-            tab_s, tab_u = _map_tables(self.ptrs.device)
-            k.adam_dtq8_kernel[grid](
-                self.ptrs, self.grad_ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block, tab_s, tab_u,
-                lr, beta1, beta2, eps, weight_decay, **common,
-                S_NDEC=len(s.lower), S_MAXRANK=s.max_rank, S_ZERO=s.zero_code,
-                U_NDEC=len(u.lower), U_MAXRANK=u.max_rank, U_ZERO=u.zero_code, ROWS=self.rows, num_warps=4,
-            )
-        else:
-            k.adam_fp32_kernel[grid](
-                self.ptrs, self.grad_ptrs, self.numels, self.steps, self.prog_tensor, self.prog_block,
-                lr, beta1, beta2, eps, weight_decay, **common, num_warps=4,
-            )
         self.steps.add_(1)
-
-
-@functools.lru_cache(maxsize=None)
-def _map_tables(device: torch.device) -> Tuple[Tensor, Tensor]:
-    from torchao_optim.kernels.triton_adam import map_table
-
-    return map_table(dynamic_map_spec(True), device), map_table(dynamic_map_spec(False), device)
+        coefs = adam_coefficients(self.steps, hyperparams, decoupled)  # (n_tensors, 8)
+        self.compiled = adam_kernel[(self.n_programs,)](
+            self.ptrs, self.grad_ptrs, self.numels, coefs, self.prog_tensor, self.prog_block, *self.tables,
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ROWS=self.rows,
+            DECOUPLED=decoupled, MAXIMIZE=maximize,
+            M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
+            V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
+            num_warps=NUM_WARPS,
+        )
 
 
 def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: bool
@@ -156,12 +185,11 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: b
     buckets: Dict[tuple, List[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
-        kind = kind_of(p, s, amsgrad)
-        if kind is None:
+        k = plan_key(p, s, amsgrad)
+        if k is None:
             rest.append(i)
         else:
-            block = s["exp_avg"].block_size if kind == "dtq8" else 0
-            buckets.setdefault((kind, block, p.device, p.dtype, p.grad.dtype), []).append(i)
-    plans = [GroupPlan(b[0], [params[i] for i in idx], [states[i] for i in idx]) for b, idx in buckets.items()]
+            buckets.setdefault(k, []).append(i)
+    plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx]) for k, idx in buckets.items()]
     cache.update(key=key, plans=plans, rest=rest)
     return plans, rest

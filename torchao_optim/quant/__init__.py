@@ -1,30 +1,32 @@
-"""Pure quantization functions: codebooks and blockwise absmax quantization."""
+"""Pure quantization functions: codebooks, the O(1) encoder and blockwise absmax quantization."""
 from torchao_optim.quant.blockwise import (
     as_blocks,
     block_absmax,
-    codebook,
+    codebook_tensor,
     dequantize_blockwise,
-    dequantize_codes,
     n_blocks,
     normalize,
     quantize_blockwise,
     quantize_nearest,
     quantize_nearest_search,
 )
-from torchao_optim.quant.dynamic_map import DynamicMapSpec, create_dynamic_map, dynamic_map_spec
+from torchao_optim.quant.codec import bucket_tables, decision_boundaries, pack_nibbles, unpack_nibbles
+from torchao_optim.quant.dynamic_map import create_dynamic_map, dynamic_map_values
 
 __all__ = [
-    "DynamicMapSpec",
     "as_blocks",
     "block_absmax",
-    "codebook",
+    "bucket_tables",
+    "codebook_tensor",
     "create_dynamic_map",
+    "decision_boundaries",
+    "dynamic_map_values",
     "dequantize_blockwise",
-    "dequantize_codes",
-    "dynamic_map_spec",
     "n_blocks",
     "normalize",
+    "pack_nibbles",
     "quantize_blockwise",
     "quantize_nearest",
     "quantize_nearest_search",
+    "unpack_nibbles",
 ]

@@ -1,9 +1,10 @@
 """Blockwise absmax quantization to a codebook: plain functions, eager and ``torch.compile(fullgraph=True)``.
 
 A tensor is read as a flat sequence cut into blocks of ``block_size`` elements (the last block may be short:
-it is zero-padded for the reductions, and the padding is never stored). Each block is scaled by its largest
-finite magnitude (``absmax``, fp32) into [-1, 1], and each element is stored as the index of the nearest
-codebook value.
+it is zero-padded for the reductions, and the padding is never stored). Each block is multiplied by the
+reciprocal of its largest finite magnitude (``absmax``, fp32) into [-1, 1], and each element is stored as
+the code of the nearest codebook value (:mod:`torchao_optim.quant.codec` gives the exact rule). The fused
+CUDA kernel computes exactly the same expressions, so both give the same codes bit for bit.
 
 Non-finite input never leaks into the rest of its block: ``absmax`` is taken over finite values only, NaN
 quantizes to 0 and +/-Inf saturates to the largest code of its sign.
@@ -11,12 +12,13 @@ quantizes to 0 and +/-Inf saturates to the largest code of its sign.
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from torchao_optim.quant.dynamic_map import DynamicMapSpec
+from torchao_optim.quant.codec import bucket_tables, decision_boundaries, encode, encode_search, pack_nibbles, \
+    unpack_nibbles
 
 __all__ = [
     "n_blocks",
@@ -25,9 +27,9 @@ __all__ = [
     "normalize",
     "quantize_nearest",
     "quantize_nearest_search",
-    "dequantize_codes",
     "quantize_blockwise",
     "dequantize_blockwise",
+    "codebook_tensor",
 ]
 
 
@@ -52,99 +54,67 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1)
 
 
-def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``x / absmax`` of its block, flat fp32 in [-1, 1]; NaN becomes 0, +/-Inf becomes +/-1."""
-    blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
-    scale = torch.where(absmax > 0, absmax, 1.0)[:, None]  # (n_blocks, 1)
-    y = (blocks / scale).reshape(-1)[: x.numel()]
-    return torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0)
-
-
 @functools.lru_cache(maxsize=None)
 def _table(values: Tuple[float, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def codebook(values: Tuple[float, ...], like: torch.Tensor) -> torch.Tensor:
-    """A codebook as an fp32 tensor on ``like``'s device.
+def codebook_tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    """A codebook as an fp32 tensor on ``like``'s device (the decode table).
 
     Eager code gets one cached copy per device (no host-to-device copy in a step). Code being traced
     (``torch.compile``, or inner tensors that are fake or functional) gets a fresh tensor, which becomes a
     constant of the graph: a cached tensor must never be created under a tracing mode.
     """
     if torch.compiler.is_compiling() or type(like) is not torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=like.device)
+        return torch.tensor(tuple(values), dtype=torch.float32, device=like.device)
     return _table(tuple(values), like.device)
 
 
-def quantize_nearest(y: torch.Tensor, spec: DynamicMapSpec) -> torch.Tensor:
-    """Index (uint8) of the dynamic-map value nearest to each element of ``y`` (fp32 in [-1, 1], no NaN).
+def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``x * (1 / absmax)`` of its block, flat fp32 in [-1, 1]; NaN becomes 0, +/-Inf becomes +/-1.
 
-    Arithmetic search: the decade comes from comparisons against the decade lower bounds, the position in
-    the decade from one multiply-floor; the exact nearest value is then one of that rank and its two
-    neighbours, which absorbs any rounding in the arithmetic. Ties go to the smaller magnitude. In the
-    unsigned map a positive value is never rounded to 0, but to the smallest positive value.
+    A multiply by one reciprocal per block (not a division per element): the fused kernel does the same.
     """
-    a = y.abs()
-    lower = torch.full_like(a, spec.lower[0])
-    inv_step = torch.full_like(a, spec.inv_step[0])
-    last = torch.full_like(a, spec.counts[0] - 1)
-    first = torch.full_like(a, spec.first_rank[0])
-    for d in range(1, len(spec.lower)):
-        inside = a >= spec.lower[d]
-        lower = torch.where(inside, spec.lower[d], lower)
-        inv_step = torch.where(inside, spec.inv_step[d], inv_step)
-        last = torch.where(inside, spec.counts[d] - 1, last)
-        first = torch.where(inside, spec.first_rank[d], first)
-    k = torch.minimum(((a - lower) * inv_step).floor().clamp_min(0.0), last)
-    rank = (first + k).to(torch.int64)
-    max_rank = spec.max_rank
-    if spec.signed:  # the signed map has +1.0 but no -1.0
-        rank_hi = torch.minimum(rank + 1, torch.where(y < 0, max_rank - 1, max_rank))
-    else:
-        rank_hi = (rank + 1).clamp_max(max_rank)
-    rank_lo = (rank - 1).clamp_min(0)
-    mags = codebook(spec.magnitudes, y)
-    err = (a - mags[rank]).abs()
-    err_lo = (a - mags[rank_lo]).abs()
-    err_hi = (a - mags[rank_hi]).abs()
-    best = torch.where(err_lo <= err, rank_lo, rank)
-    best = torch.where(err_hi < torch.minimum(err, err_lo), rank_hi, best)
-    if spec.signed:
-        best = torch.where(y < 0, spec.zero_code - best, spec.zero_code + best)
-    else:
-        # Never round a positive value to 0 in the unsigned map (exp_avg_sq): Adam divides by sqrt(v), and
-        # a v rounded to 0 would turn an element's tiny update into one of size lr * m / eps.
-        best = torch.where((a > 0) & (best == 0), 1, best)
-    return best.to(torch.uint8)
+    blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
+    inv = 1.0 / torch.where(absmax > 0, absmax, 1.0)  # (n_blocks,)
+    y = (blocks * inv[:, None]).reshape(-1)[: x.numel()]
+    return torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0)
 
 
-def quantize_nearest_search(y: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Index (uint8) of the nearest value of any sorted ``table`` (<= 256 entries), by binary search.
+def quantize_nearest(y: torch.Tensor, codebook: Sequence[float], never_zero: bool = False) -> torch.Tensor:
+    """Code (uint8) of the nearest ``codebook`` value to each ``y`` (fp32 in [-1, 1], no NaN), in O(1).
 
-    The generic quantizer, for codebooks without the dynamic map's structure. Ties go to the lower index.
+    ``codebook`` is sorted (at most 256 values); ties go to the smaller magnitude; with ``never_zero`` a
+    nonzero value never takes the code of 0.0. :mod:`torchao_optim.quant.codec` states the rule exactly.
     """
-    midpoints = (table[1:] + table[:-1]) / 2
-    return torch.bucketize(y, midpoints).to(torch.uint8)
+    return encode(y, bucket_tables(tuple(codebook), never_zero, like=y))
 
 
-def dequantize_codes(codes: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """Codebook values of ``codes``, fp32, same shape."""
-    return table[codes.to(torch.int64)]
+def quantize_nearest_search(y: torch.Tensor, codebook: Sequence[float], never_zero: bool = False) -> torch.Tensor:
+    """The same codes as :func:`quantize_nearest`, by binary search over the decision boundaries (uint8).
+
+    The reference the O(1) encoder is tested against.
+    """
+    bounds = decision_boundaries(tuple(codebook), never_zero).to(y.device)
+    return encode_search(y, bounds).to(torch.uint8)
 
 
-def quantize_blockwise(
-    x: torch.Tensor, spec: DynamicMapSpec, block_size: int
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 shaped like ``x``, absmax fp32 (n_blocks,)) for the dynamic map ``spec``."""
+def quantize_blockwise(x: torch.Tensor, codebook: Sequence[float], block_size: int, never_zero: bool = False,
+                       bits: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(codes, absmax): flat uint8 codes (4-bit codes two per byte) and fp32 absmax (n_blocks,)."""
     absmax = block_absmax(x, block_size)
-    codes = quantize_nearest(normalize(x, absmax, block_size), spec)
-    return codes.view(x.shape), absmax
+    codes = quantize_nearest(normalize(x, absmax, block_size), codebook, never_zero)
+    return (codes if bits == 8 else pack_nibbles(codes)), absmax
 
 
-def dequantize_blockwise(
-    codes: torch.Tensor, absmax: torch.Tensor, table: torch.Tensor, block_size: int, dtype=torch.float32
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_blockwise`: codebook value times block absmax, shaped like ``codes``."""
-    values = as_blocks(dequantize_codes(codes, table), block_size) * absmax[:, None]  # (n_blocks, block_size)
-    return values.reshape(-1)[: codes.numel()].view(codes.shape).to(dtype)
+def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codebook: Sequence[float], block_size: int,
+                         shape, dtype=torch.float32, bits: int = 8) -> torch.Tensor:
+    """Inverse of :func:`quantize_blockwise`: codebook value times block absmax, of ``shape`` and ``dtype``."""
+    numel = 1
+    for d in shape:  # symbolic under torch.compile(dynamic=True): a plain product, not torch.Size.numel
+        numel = numel * d
+    codes = codes if bits == 8 else unpack_nibbles(codes, numel)
+    values = codebook_tensor(codebook, codes)[codes.to(torch.int64)]
+    blocks = as_blocks(values, block_size) * absmax[:, None]  # (n_blocks, block_size)
+    return blocks.reshape(-1)[:numel].view(shape).to(dtype)

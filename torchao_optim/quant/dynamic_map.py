@@ -5,19 +5,16 @@ bitwise form of the type) times a linear fraction ``f`` in (0.1, 1). Decade ``i`
 holds the midpoints of an evenly spaced grid on [0.1, 1] scaled by ``10**(i - max_exponent_bits + 1)``; the
 smaller the decade, the fewer fraction bits it has. Zero and 1.0 complete the map.
 
-:class:`DynamicMapSpec` keeps that structure (per-decade lower bound, step and count), which is what lets
-:func:`torchao_optim.quant.quantize_nearest` find the nearest code with a few comparisons and one
-multiply-floor instead of a search over the table.
+Formats quantize to it like to any other sorted codebook (:mod:`torchao_optim.quant.codec`).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 
-__all__ = ["create_dynamic_map", "DynamicMapSpec", "dynamic_map_spec"]
+__all__ = ["create_dynamic_map", "dynamic_map_values"]
 
 
 def _decade_counts(signed: bool, max_exponent_bits: int, total_bits: int) -> Tuple[int, ...]:
@@ -83,58 +80,7 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
     return _dynamic_map_cached(bool(signed), max_exponent_bits, total_bits).clone()
 
 
-@dataclass(frozen=True)
-class DynamicMapSpec:
-    """Structure of a dynamic map's positive half, for arithmetic nearest-code search.
-
-    ``magnitudes`` is ``[0, positive values ascending..., 1.0]``; a value's *rank* is its index there.
-    Decade ``d`` covers magnitudes ``[lower[d], ...)`` with ``counts[d]`` points ``step[d]`` apart, the first
-    at rank ``first_rank[d]``.
-    """
-
-    signed: bool
-    total_bits: int
-    table: Tuple[float, ...]
-    magnitudes: Tuple[float, ...]
-    lower: Tuple[float, ...]
-    inv_step: Tuple[float, ...]
-    counts: Tuple[int, ...]
-    first_rank: Tuple[int, ...]
-
-    @property
-    def zero_code(self) -> int:
-        """Code of 0.0 in the sorted map: its negatives come first when signed."""
-        return (len(self.magnitudes) - 2) if self.signed else 0
-
-    @property
-    def max_rank(self) -> int:
-        return len(self.magnitudes) - 1
-
-
 @functools.lru_cache(maxsize=None)
-def dynamic_map_spec(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> DynamicMapSpec:
-    """The :class:`DynamicMapSpec` of ``create_dynamic_map(signed, max_exponent_bits, total_bits)``."""
-    table = _dynamic_map_cached(bool(signed), max_exponent_bits, total_bits)
-    counts = _decade_counts(signed, max_exponent_bits, total_bits)
-    magnitudes = table[table >= 0]
-    lower, inv_step, used_counts, first_rank = [], [], [], []
-    rank = 1
-    for i, n in enumerate(counts):
-        if n == 0:
-            continue
-        scale = 10.0 ** (i - max_exponent_bits + 1)
-        lower.append(0.1 * scale)
-        inv_step.append(n / (0.9 * scale))
-        used_counts.append(n)
-        first_rank.append(rank)
-        rank += n
-    return DynamicMapSpec(
-        signed=bool(signed),
-        total_bits=total_bits,
-        table=tuple(table.tolist()),
-        magnitudes=tuple(magnitudes.tolist()),
-        lower=tuple(lower),
-        inv_step=tuple(inv_step),
-        counts=tuple(used_counts),
-        first_rank=tuple(first_rank),
-    )
+def dynamic_map_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tuple[float, ...]:
+    """``create_dynamic_map(...)`` as a tuple of floats: the codebook a format hands to its layout."""
+    return tuple(_dynamic_map_cached(bool(signed), max_exponent_bits, total_bits).tolist())

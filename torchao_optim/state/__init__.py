@@ -1,10 +1,14 @@
 """Optimizer-state formats: the shared base class, the registry and the built-in formats."""
 from torchao_optim.state.base import QuantizedState, implements
 from torchao_optim.state.registry import get_state_format, list_state_formats, register_state_format
+from torchao_optim.state.layout import StateLayout
+from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.dtq8 import DTQ8bitTensor  # noqa: E402  (registers "dtq8")
 
 __all__ = [
+    "CodebookState",
     "DTQ8bitTensor",
+    "StateLayout",
     "QuantizedState",
     "get_state_format",
     "implements",

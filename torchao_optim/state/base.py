@@ -108,6 +108,11 @@ class QuantizedState(torch.Tensor):
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
 
+    def fast_path_layout(self):
+        """The :class:`~torchao_optim.state.layout.StateLayout` the fused CUDA engine reads, or None if this
+        format cannot be described that way (it then takes the compiled path)."""
+        return None
+
     @classmethod
     def zeros_fields(cls, shape, device, **attrs) -> Dict[str, torch.Tensor]:
         return cls.quantize_fields(torch.zeros(shape, device=device), **attrs)
@@ -182,9 +187,12 @@ class QuantizedState(torch.Tensor):
         return (_rebuild, (type(self), tuple(self.shape), self.dtype, self.fields(), self.attrs()))
 
     def _stable_hash_for_caching(self) -> str:
-        # torch.compile's cache key: the structure (format, attributes, dtypes), never the data.
-        inner = ",".join(f"{k}:{v.dtype}" for k, v in self.fields().items())
-        return f"{type(self).__qualname__}({self.attrs()},{self.dtype},{inner})"
+        # inductor's FX graph cache key: everything that decides a compiled graph (format, attributes, outer
+        # shape, stride and dtype, each inner tensor's dtype and shape), never the data. Leaving out the shape
+        # let a graph compiled for one shape be handed to another.
+        inner = ",".join(f"{k}:{v.dtype}{tuple(v.shape)}" for k, v in self.fields().items())
+        return (f"{type(self).__module__}.{type(self).__qualname__}({self.attrs()},{tuple(self.shape)},"
+                f"{tuple(self.stride())},{self.dtype},{self.device.type},{inner})")
 
     def __repr__(self):
         attrs = "".join(f", {k}={v!r}" for k, v in self.attrs().items())
@@ -352,8 +360,10 @@ def _slice(func, args, kwargs):
         raise ValueError(f"{type(self).__name__}: rows [{start}:{end}] cover elements [{first}:{last}], which do "
                          f"not start and end on a block boundary (block_size={bs})")
     fields = self.fields()
+    layout = self.fast_path_layout()
+    per_byte = 2 if layout is not None and layout.bits == 4 else 1  # 4-bit codes: two per byte
     for name in self.elementwise_fields:
-        fields[name] = fields[name][first:last]
+        fields[name] = fields[name][first // per_byte : (last + per_byte - 1) // per_byte]
     for name in self.blockwise_fields:
         fields[name] = fields[name][first // bs : n_blocks(last, bs)]
     return self._new(fields, shape=(end - start,) + tuple(self.shape[1:]))

@@ -1,0 +1,211 @@
+"""Encoding to any sorted codebook in O(1), written once for every executor.
+
+**The rule.** A codebook is a sorted 1-D table ``T`` of at most 256 fp32 values. Its *decision boundaries*
+are the fp32 midpoints ``B[i] = fl((T[i] + T[i+1]) / 2)``; a format may lift the boundary just above 0.0 to
+0.0 itself (``never_zero``: a nonzero value never encodes to 0.0, which Adam's ``exp_avg_sq`` needs). The
+code of a value ``y`` is the number of boundaries below it::
+
+    code(y) = #{i : B[i] <  y}    if not y < 0     (ties go to the smaller magnitude:
+    code(y) = #{i : B[i] <= y}    if y < 0          a value on a boundary takes the code nearer 0)
+
+``-0.0`` counts as ``0.0``. :func:`encode_search` computes this with a binary search (the reference);
+:func:`encode` and the fused CUDA kernel compute it in O(1) from :class:`BucketTables`, and all three agree
+bit for bit.
+
+**The O(1) encoder.** The fp32 bits of ``|y|`` (``y`` in [-1, 1]) are an exponent ``e`` and a mantissa.
+For each sign and exponent, a first table gives an offset and a shift; ``offset + (mantissa >> shift)``
+indexes a second table of candidate codes, one per *bucket* (a range of ``|y|`` sharing the exponent and
+the top ``23 - shift`` mantissa bits). Each exponent gets just enough mantissa bits that no bucket holds
+more than one boundary, so the code is the candidate ``c`` or ``c + 1``, decided by one comparison with
+``B[c]``. Three small table loads and a few integer operations, whatever the codebook.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Dict, Tuple
+
+import torch
+
+__all__ = ["BucketTables", "bucket_tables", "decision_boundaries", "encode", "encode_search", "pack_nibbles",
+           "unpack_nibbles"]
+
+_MANTISSA_BITS = 23
+_MAX_BUCKET_BITS = 12  # per exponent; a codebook needing more has values closer than 2**-12 relative
+_SHIFT_BITS = 5  # level-1 entry: (offset << 5) | shift
+
+
+def _check_codebook(values: Tuple[float, ...]) -> torch.Tensor:
+    table = torch.tensor(values, dtype=torch.float32)
+    if table.dim() != 1 or not 2 <= table.numel() <= 256:
+        raise ValueError(f"a codebook has 2 to 256 values, got {table.numel()}")
+    if not torch.isfinite(table).all() or table.abs().max() > 1.0:
+        raise ValueError(f"codebook values must be finite and within [-1, 1], got min {table.min().item()}, "
+                         f"max {table.max().item()}")
+    if not torch.all(table[1:] >= table[:-1]):
+        raise ValueError("codebook values must be sorted in ascending order")
+    return table
+
+
+def decision_boundaries(values: Tuple[float, ...], never_zero: bool = False) -> torch.Tensor:
+    """The fp32 boundaries ``B`` (``len(values) - 1`` of them) of the rule in the module docstring."""
+    table = _check_codebook(tuple(values))
+    bounds = (table[1:] + table[:-1]) / 2
+    if never_zero:
+        zero = (table == 0).nonzero()
+        if zero.numel() == 0 or zero[-1].item() == table.numel() - 1:
+            raise ValueError("never_zero needs a codebook with 0.0 and a positive value above it")
+        bounds[zero[-1].item()] = 0.0
+    return bounds
+
+
+def encode_search(y: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """The reference encoder: binary search of ``bounds`` (int64 codes, same shape as ``y``)."""
+    y = y.contiguous()
+    return torch.where(y < 0, torch.bucketize(y, bounds, right=True), torch.bucketize(y, bounds, right=False))
+
+
+@dataclass(frozen=True)
+class BucketTables:
+    """The O(1) encoder's tables for one codebook (CPU tensors; :meth:`to` gives device copies).
+
+    ``level1``: int32 (256,), index ``128 * (y < 0) + exponent``, entry ``(offset << 5) | shift``;
+    ``level2``: uint8, the candidate code of each bucket; ``bounds``: fp32 (256,), ``B`` padded with +inf.
+    """
+
+    level1: torch.Tensor
+    level2: torch.Tensor
+    bounds: torch.Tensor
+
+    def level2_with_bounds(self) -> torch.Tensor:
+        """int32 per bucket: ``(low_plus << 8) | candidate``, where the code is ``candidate + 1`` for ``y >= 0``
+        when the low ``shift`` bits of ``|y|`` are ``>= low_plus``, for ``y < 0`` when they are ``< low_plus``
+        (``low_plus`` is one more than the low bits of the bucket's boundary, or a value that never switches).
+        The fused kernel reads this: one 4-byte load where :func:`encode` makes two; same data, same codes."""
+        level1 = self.level1.to(torch.int64)
+        out = torch.empty(self.level2.numel(), dtype=torch.int64)
+        for negative in (0, 1):
+            for exponent in range(128):
+                entry = int(level1[128 * negative + exponent])
+                offset, shift = entry >> _SHIFT_BITS, entry & 31
+                n = 1 << (_MANTISSA_BITS - shift)
+                code = self.level2[offset : offset + n].to(torch.int64)
+                base = (exponent << _MANTISSA_BITS) | (torch.arange(n, dtype=torch.int64) << shift)
+                top = base + (1 << shift) - 1
+                bound = self.bounds[code]
+                bmag = bound.abs().view(torch.int32).to(torch.int64)
+                inside = (bmag >= base) & (bmag <= top) & torch.isfinite(bound)
+                if negative:  # y >= b  <=>  |y| <= |b|, for b <= 0 inside the bucket; else never
+                    low_plus = torch.where(inside & (bound <= 0), bmag - base + 1, 0)
+                else:  # y > b  <=>  |y| > |b|, for b >= 0 inside the bucket; else never
+                    low_plus = torch.where(inside & (bound >= 0), bmag - base + 1, 1 << shift)
+                out[offset : offset + n] = (low_plus << 8) | code
+        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+    def to(self, device) -> "BucketTables":
+        return BucketTables(*(t.to(device) for t in (self.level1, self.level2, self.bounds)))
+
+
+def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The smallest and largest ``y`` of every bucket of one exponent and sign (fp32, ascending in ``y``)."""
+    shift = _MANTISSA_BITS - bucket_bits
+    k = torch.arange(1 << bucket_bits, dtype=torch.int64)
+    lo = (exponent << _MANTISSA_BITS) | (k << shift)
+    hi = lo | ((1 << shift) - 1)
+    lo_mag = lo.to(torch.int32).view(torch.float32)
+    hi_mag = hi.to(torch.int32).view(torch.float32)
+    if negative:
+        return -hi_mag, -lo_mag
+    return lo_mag, hi_mag
+
+
+def _build_tables(values: Tuple[float, ...], never_zero: bool) -> BucketTables:
+    bounds = decision_boundaries(values, never_zero)
+    level1 = torch.zeros(256, dtype=torch.int64)
+    level2 = []
+    offset = 0
+    for negative in (False, True):
+        for exponent in range(128):
+            for bits in range(_MAX_BUCKET_BITS + 1):
+                first, last = _bucket_ends(exponent, bits, negative)
+                lo_code, hi_code = encode_search(first, bounds), encode_search(last, bounds)
+                if bool((hi_code - lo_code <= 1).all()):
+                    break
+            else:
+                raise ValueError(
+                    f"codebook values are too close together near {first[0].item():.3g} for the O(1) encoder "
+                    f"({_MAX_BUCKET_BITS} mantissa bits per exponent)")
+            # candidate: the code of the bucket's smallest y (for negatives, its largest magnitude)
+            level2.append(lo_code.to(torch.uint8))
+            level1[128 * negative + exponent] = (offset << _SHIFT_BITS) | (_MANTISSA_BITS - bits)
+            offset += 1 << bits
+    padded_bounds = torch.full((256,), float("inf"))
+    padded_bounds[: len(values) - 1] = bounds
+    return BucketTables(level1.to(torch.int32), torch.cat(level2), padded_bounds)
+
+
+_TABLES: Dict[tuple, BucketTables] = {}
+_LISTS: Dict[tuple, tuple] = {}  # the same tables as Python lists, to rebuild them under tracing
+
+
+def bucket_tables(values: Tuple[float, ...], never_zero: bool = False, device=None, like=None) -> BucketTables:
+    """The tables of :func:`encode` for one codebook, built once and cached per device.
+
+    Raises ``ValueError`` for a codebook whose values are too close together for 12 mantissa bits per
+    exponent to separate its boundaries. Code being traced (``torch.compile``, or ``like`` a fake or
+    functional tensor) gets fresh copies, which become constants of the graph: a cached tensor must never be
+    created under a tracing mode. So the tables must already have been built eagerly (a format builds them
+    when its first tensor is created).
+    """
+    if like is not None:
+        device = like.device
+    device = torch.device("cpu") if device is None else torch.device(device)
+    key = (tuple(values), bool(never_zero))
+    cpu = _TABLES.get(key)
+    tracing = torch.compiler.is_compiling() or (like is not None and type(like) is not torch.Tensor)
+    if tracing:
+        if cpu is None:
+            raise RuntimeError("bucket_tables: the codebook's tables were not built before tracing; create a "
+                               "tensor of the format eagerly first")
+        return BucketTables(*(torch.tensor(values, dtype=dtype, device=device)
+                              for values, dtype in zip(_LISTS[key], (torch.int32, torch.uint8, torch.float32))))
+    if cpu is None:
+        cpu = _TABLES[key] = _build_tables(tuple(values), bool(never_zero))
+        _LISTS[key] = tuple(t.tolist() for t in (cpu.level1, cpu.level2, cpu.bounds))
+    return _on_device(key, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _on_device(key: tuple, device: torch.device) -> BucketTables:
+    return _TABLES[key].to(device)
+
+
+def encode(y: torch.Tensor, tables: BucketTables) -> torch.Tensor:
+    """The code (uint8) of each ``y`` (fp32 in [-1, 1], no NaN) by the rule of the module docstring, in O(1).
+
+    Plain tensor code: eager, and under ``torch.compile`` (the tables become constants of the graph).
+    """
+    neg = y < 0
+    mag = y.abs().view(torch.int32)
+    entry = tables.level1[(mag >> _MANTISSA_BITS) + neg.to(torch.int32) * 128].to(torch.int32)
+    index = (entry >> _SHIFT_BITS) + ((mag & 0x7FFFFF) >> (entry & 31))
+    code = tables.level2[index].to(torch.int32)
+    bound = tables.bounds[code]
+    up = torch.where(neg, y >= bound, y > bound)
+    return (code + up.to(torch.int32)).to(torch.uint8)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (flat, values < 16) two per byte: element ``2i`` in the low nibble, ``2i + 1`` in the high
+    one; an odd count leaves the last high nibble 0. Returns uint8 of ``ceil(n / 2)`` bytes."""
+    codes = codes.reshape(-1).to(torch.uint8)
+    if codes.numel() % 2:
+        codes = torch.cat([codes, codes.new_zeros(1)])
+    pairs = codes.view(-1, 2)
+    return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_nibbles`: ``numel`` uint8 codes."""
+    pairs = torch.stack([packed & 15, packed >> 4], dim=-1)  # (n_bytes, 2)
+    return pairs.reshape(-1)[:numel]

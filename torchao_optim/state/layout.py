@@ -1,0 +1,47 @@
+"""StateLayout: how a format's bytes are laid out, as data the fused engine can read.
+
+A format that can describe itself this way returns a :class:`StateLayout` from ``fast_path_layout()``; the
+planner and the CUDA kernels read only this description (and the inner tensors it names), never the
+format's class, so a format written after the kernels takes the fused path with no kernel edit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+__all__ = ["StateLayout"]
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Blockwise absmax quantization to a sorted codebook.
+
+    Attributes:
+        codes (str): name of the elementwise inner tensor holding the codes (uint8, flat).
+        scales (str): name of the blockwise inner tensor holding one fp32 absmax per block.
+        block_size (int): elements per block; the last block may be short.
+        codebook (Tuple[float, ...]): the sorted values a code stands for, within [-1, 1];
+            at most ``2**bits`` of them.
+        bits (int): 8 (one code per byte) or 4 (two per byte: element ``2i`` in the low nibble).
+        never_zero (bool): a nonzero value never encodes to the codebook's 0.0 (``exp_avg_sq``: Adam
+            divides by its square root). See :mod:`torchao_optim.quant.codec` for the encoding rule.
+    """
+
+    codes: str
+    scales: str
+    block_size: int
+    codebook: Tuple[float, ...]
+    bits: int = 8
+    never_zero: bool = False
+
+    def __post_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"StateLayout.bits must be 8 or 4, got {self.bits!r}")
+        if not 2 <= len(self.codebook) <= 2**self.bits:
+            raise ValueError(f"a {self.bits}-bit codebook has 2 to {2 ** self.bits} values, got {len(self.codebook)}")
+        if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 2:
+            raise ValueError(f"StateLayout.block_size must be a positive even int, got {self.block_size!r}")
+
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of codes for ``numel`` elements."""
+        return numel if self.bits == 8 else (numel + 1) // 2
