@@ -42,6 +42,14 @@ class DTQ8bitTensor(QuantizedState):
         return super()._attrs(block_size=block_size, signed=signed, **attrs)
 
     @classmethod
+    def check_values(cls, x, *, signed, block_size):
+        if not signed:
+            negative = x < 0
+            if negative.any():
+                raise ValueError(f"DTQ8bitTensor with signed=False stores values >= 0 only (exp_avg_sq); got "
+                                 f"{int(negative.sum())} negative values, the smallest {x.min().item()}")
+
+    @classmethod
     def quantize_fields(cls, x, *, signed, block_size):
         codes, absmax = quantize_blockwise(x, dynamic_map_spec(signed), block_size)
         return {"codes": codes.view(-1), "absmax": absmax}
