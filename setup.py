@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={
-        "test": ["pytest", "expecttest", "tqdm"],
+        "test": ["pytest", "expecttest", "hypothesis", "tqdm"],
         "bench": ["tqdm", "matplotlib"],
         "finetune": ["timm", "datasets", "tqdm", "matplotlib"],
     },

@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq_len", type=int, default=None,
                         help="bytes per sequence, at most the preset's context. Default: the context")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate. Default: the preset's")
-    parser.add_argument("--warmup", type=int, default=None, help="linear warm-up steps. Default: 5%% of --steps")
+    parser.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; 0 for none. Default: 5%% of --steps")
     parser.add_argument("--beta1", type=float, default=0.9, help="Adam beta1. Default: %(default)s")
     parser.add_argument("--beta2", type=float, default=0.95, help="Adam beta2. Default: %(default)s")
     parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon. Default: %(default)s")
@@ -462,8 +462,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.lr = preset.lr if args.lr is None else args.lr
     args.warmup = max(1, args.steps // 20) if args.warmup is None else args.warmup
     args.eval_every = max(1, args.steps // 10) if args.eval_every is None else args.eval_every
-    if min(args.steps, args.batch_size, args.seq_len, args.warmup, args.eval_every, args.eval_batches) < 1:
-        fail("--steps, --batch_size, --seq_len, --warmup, --eval_every and --eval_batches must be positive")
+    if min(args.steps, args.batch_size, args.seq_len, args.eval_every, args.eval_batches) < 1:
+        fail("--steps, --batch_size, --seq_len, --eval_every and --eval_batches must be positive")
+    if args.warmup < 0:
+        fail(f"--warmup must be 0 (no warm-up) or positive, got {args.warmup}")
     if args.seq_len > preset.model.context:
         fail(f"--seq_len {args.seq_len} exceeds the {args.model_size} model's context of {preset.model.context}")
     if args.device == "cuda" and not torch.cuda.is_available():

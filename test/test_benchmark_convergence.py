@@ -103,3 +103,13 @@ def test_lr_schedule():
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
     assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+
+
+def test_no_warmup(capsys):
+    """--warmup 0 means no warm-up: the first step runs at the peak lr; a negative count is refused."""
+    assert bench.parse_args(["--warmup", "0"]).warmup == 0
+    lrs = [bench.lr_at(s, 1.0, warmup=0, total=100) for s in range(100)]
+    assert lrs[0] == 1.0 and all(a >= b for a, b in zip(lrs, lrs[1:]))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--warmup", "-1"])
+    assert "--warmup must be 0 (no warm-up) or positive, got -1" in capsys.readouterr().err

@@ -67,12 +67,16 @@ def adam_kernel(
     else:
         g = g + wd * p
         p_decayed = p
-    m = tl.where(finite, m + one_minus_beta1 * (g - m), m)
-    v = tl.where(finite, v * beta2 + one_minus_beta2 * g * g, v)
+    m_new = m + one_minus_beta1 * (g - m)
+    v_new = v * beta2 + one_minus_beta2 * g * g
+    # an element whose new moment overflows is skipped too (adam_update says why)
+    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    m = tl.where(ok, m_new, m)
+    v = tl.where(ok, v_new, v)
     # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
     # the states, which decide the codes, do not depend on them
     denom = tl.sqrt(v) * inv_bc2 + eps
-    p = tl.where(finite, p_decayed - step_size * tl.fdiv(m, denom), p)
+    p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
 
     tl.store(p_ptr + local, p.to(PARAM_DTYPE), mask=mask)
     store_state(m, mc, ms, start, first_block, local, mask, row_mask, m_level1, m_level2,

@@ -74,3 +74,26 @@ def store_state(x, codes, scales, start, first_block, local, mask, row_mask, lev
         tl.store(scales.to(tl.pointer_type(tl.float32)) + first_block + tl.arange(0, ROWS), absmax, mask=row_mask)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)
+
+
+@triton.jit
+def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, encode(y, level1, level2).to(tl.uint8), mask=mask)
+
+
+def quantize_nearest_triton(y, codebook, never_zero: bool = False):
+    """``torchao_optim.quant.quantize_nearest`` through the kernels' encoder (for tests): uint8 codes of ``y``
+    (fp32 in [-1, 1], contiguous, on a device the kernels run on)."""
+    import torch
+
+    from torchao_optim.quant import bucket_tables
+
+    tables = bucket_tables(tuple(codebook), never_zero)
+    level1, level2 = tables.level1.to(y.device), tables.level2_with_bounds().to(y.device)
+    out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
+    block = 1 << 16
+    _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block)
+    return out

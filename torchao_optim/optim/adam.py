@@ -1,11 +1,13 @@
 """Adam and AdamW with low-bit state: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
 from __future__ import annotations
 
+import numbers
 from typing import Any, Dict, Optional
 
 import torch
 from torch import Tensor
 
+from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import fused_available, plan_group
 from torchao_optim.optim.update import adam_coefficients, adam_update
@@ -16,25 +18,51 @@ __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_
 _STORAGE_KEYS = ("state_format", "block_size", "min_quant_size", "decoupled_weight_decay")
 
 
+def _number(name, value, tensor_ok=False):
+    """``value`` as a Python float: ints, floats, numpy scalars and (where torch.optim takes one) a one-element
+    tensor; anything else is a ValueError naming it."""
+    if isinstance(value, Tensor):
+        if not tensor_ok or value.numel() != 1 or value.is_complex():
+            raise ValueError(f"Invalid {name}: a tensor {name} must be real with exactly one element, got "
+                             f"shape {tuple(value.shape)} and dtype {value.dtype}")
+        return float(value.detach().reshape(()).cpu())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid {name}: {value!r} (a real number)")
+    return float(value)
+
+
 def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_size=0):
-    if isinstance(lr, Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"Tensor lr must have exactly one element, got shape {tuple(lr.shape)}")
-    elif not isinstance(lr, (int, float)) or not lr >= 0.0:
+    if not _number("lr", lr, tensor_ok=True) >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr!r}")
-    if not isinstance(eps, (int, float)) or not eps >= 0.0:
+    if not _number("epsilon value", eps, tensor_ok=True) >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps!r}")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
-        if not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+        if not 0.0 <= _number(f"beta parameter at index {i}", beta, tensor_ok=True) < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {beta!r}")
-    if not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+    if not _number("weight_decay value", weight_decay, tensor_ok=True) >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay!r}")
-    if block_size is not None and (not isinstance(block_size, int) or block_size <= 0):
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                   or block_size <= 0):
         raise ValueError(f"Invalid block_size: {block_size!r} (a positive int, or None for the format's default)")
-    if not isinstance(min_quant_size, int) or min_quant_size < 0:
+    if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
+
+
+def _normalize_group(group) -> None:
+    """Numpy scalars become Python floats, and one-element tensor betas, eps and weight_decay become floats
+    (read once, as torch.optim's non-capturable paths do); a tensor lr stays a tensor, read every step."""
+    for key in ("eps", "weight_decay"):
+        if not isinstance(group[key], (int, float)):
+            group[key] = _number(key, group[key], tensor_ok=True)
+    group["betas"] = tuple(b if isinstance(b, (int, float)) else _number("beta", b, tensor_ok=True)
+                           for b in group["betas"])
+    if not isinstance(group["lr"], (int, float, Tensor)):
+        group["lr"] = _number("lr", group["lr"])
+    for key in ("amsgrad", "maximize", "decoupled_weight_decay"):
+        if not isinstance(group[key], bool):
+            raise ValueError(f"Invalid {key}: {group[key]!r} (True or False)")
 
 
 def _alias(t: Tensor, shape) -> Tensor:
@@ -76,8 +104,13 @@ class Adam(torch.optim.Optimizer):
 
     ``m`` and ``v`` are dequantized, updated in fp32 and requantized once per step; for each parameter
     ``torch.compile`` fuses that into one kernel. Parameters with fewer than ``min_quant_size`` elements,
-    and with ``state_format="none"``, keep fp32 state. A non-finite gradient element is skipped: its
-    parameter and state keep their values, and no other element is affected.
+    and with ``state_format="none"``, keep plain state: fp32, or fp64 for fp64 parameters, whose update is
+    fp64 in any case. A non-finite gradient element, or one whose new ``m`` or ``v`` would overflow, is
+    skipped: its parameter and state keep their values, and no other element is affected.
+
+    ``load_state_dict`` and ``add_param_group`` check everything before they change anything (see
+    :mod:`torchao_optim.optim.checkpoint`); copies (``copy.deepcopy``, pickle, ``torch.save``) step like
+    the original.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups.
@@ -95,9 +128,10 @@ class Adam(torch.optim.Optimizer):
         compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
             warning, where compiling is impossible. Default: ``True``.
         fused (bool, optional): on CUDA, update each parameter group with one multi-tensor Triton launch
-            per format and dtype (fp32 and "dtq8" states, without amsgrad); other parameters take the
-            per-parameter compiled path. ``None`` uses it wherever Triton and CUDA are available.
-            Default: ``None``.
+            per device, dtype and pair of state layouts: every format with a ``fast_path_layout()``, and fp32
+            state (not amsgrad); other parameters take the per-parameter compiled path. ``None`` uses it
+            wherever Triton and CUDA are available; ``True`` also runs it on the CPU in Triton's interpreter
+            when ``TRITON_INTERPRET=1`` is set (slow: for testing). Default: ``None``.
         decoupled_weight_decay (bool, optional): AdamW's weight decay. Default: ``False``.
     """
 
@@ -121,46 +155,88 @@ class Adam(torch.optim.Optimizer):
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
         if state_format != "none":
             get_state_format(state_format)  # raises ValueError naming the registered formats
+        if fused and not fused_available():
+            raise RuntimeError("fused=True needs Triton and a CUDA device (or, for testing, TRITON_INTERPRET=1)")
         defaults = dict(
             lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             decoupled_weight_decay=decoupled_weight_decay, state_format=state_format, block_size=block_size,
             min_quant_size=min_quant_size,
         )
+        self._setup(compile, fused)
         super().__init__(params, defaults)
-        self._update = CompiledOrEager(adam_update, enabled=compile)
+
+    def _setup(self, compile: bool, fused: Optional[bool]) -> None:
+        """What the optimizer builds for itself rather than saves: the compiled update, caches, the path."""
+        self._compile, self._fused_option = bool(compile), fused
+        self._update = CompiledOrEager(adam_update, enabled=self._compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
-        if fused and not fused_available():
-            raise RuntimeError("fused=True needs Triton and a CUDA device")
-        self._fused = fused_available() if fused is None else bool(fused)
+        # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
+        self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
+        self._interpreter = fused is True
 
+    # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------
+    def __getstate__(self) -> Dict[str, Any]:
+        # The compiled update and the caches are rebuilt by the copy; only how to build them is saved.
+        state = super().__getstate__()
+        state["options"] = {"compile": self._compile, "fused": self._fused_option}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        options = state.pop("options", None)
+        super().__setstate__(state)
+        if options is not None or not hasattr(self, "_update"):
+            self._setup(**(options or {"compile": True, "fused": None}))
+
+    # ---- parameter groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As ``torch.optim``'s; a group that fails the checks raises and is not added."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                           group["block_size"], group["min_quant_size"])
-        if group["state_format"] != "none":
-            get_state_format(group["state_format"])  # raises ValueError naming the registered formats
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group: Dict[str, Any], index: Optional[int] = None) -> None:
+        """Raise ValueError unless ``group`` holds valid hyperparameters and parameters; normalizes numbers."""
+        where = f"param group {len(self.param_groups) - 1 if index is None else index}"
+        try:
+            _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                               group["block_size"], group["min_quant_size"])
+            _normalize_group(group)
+            if group["state_format"] != "none":
+                get_state_format(group["state_format"])  # raises ValueError naming the registered formats
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+            if not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__} optimizes floating-point parameters, got {p.dtype}")
 
     # ---- state --------------------------------------------------------------------------------------
     def _format_for(self, p: Tensor, group) -> Optional[type]:
-        """The format class for ``p``'s state, or None for fp32 state."""
+        """The format class for ``p``'s state, or None for plain (unquantized) state."""
         if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
             return None
         fmt = get_state_format(group["state_format"])
         try:
             fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=group["block_size"]))
         except ValueError:
-            return None  # the format cannot store this shape: keep fp32 state
+            return None  # the format cannot store this shape: keep plain state
         return fmt
+
+    @staticmethod
+    def _plain_state_dtype(p: Tensor) -> torch.dtype:
+        """Unquantized state is fp32, or fp64 for fp64 parameters (torch.optim's numbers)."""
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
         fmt = self._format_for(p, group)
         if fmt is None:
-            return torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            return torch.zeros_like(p, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
         return fmt.zeros(p.shape, signed=signed, block_size=group["block_size"], device=p.device)
 
     def _state_keys(self, group):
@@ -171,45 +247,28 @@ class Adam(torch.optim.Optimizer):
         for key in self._state_keys(group):
             state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
 
-    def _conform_state(self, p: Tensor, group, state) -> None:
-        """After load_state_dict: store each state in the format this optimizer uses for ``p``, in fp32."""
-        fmt = self._format_for(p, group)
-        for key in self._state_keys(group):
-            value = state.get(key)
-            if value is None:
-                state[key] = self._new_state_tensor(p, group, signed=(key == "exp_avg"))
-                continue
-            if isinstance(value, QuantizedState) and type(value) is fmt:
-                state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
-                continue
-            if isinstance(value, QuantizedState):
-                value = value.dequantize(torch.float32)
-            value = value.to(device=p.device, dtype=torch.float32, copy=True)
-            if fmt is None:
-                state[key] = value.contiguous()
-            else:
-                state[key] = fmt.from_float(value, signed=(key == "exp_avg"), block_size=group["block_size"])
-        step = state.get("step", 0.0)
-        step = step if isinstance(step, Tensor) else torch.tensor(float(step))
-        state["step"] = step.to(p.device, torch.float32, copy=True).reshape(())
-
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict; states are converted to this optimizer's
-        format (fp32 states are quantized, quantized ones dequantized where this optimizer keeps fp32)."""
-        # How states are stored is this optimizer's choice, not the checkpoint's (a torch.optim state_dict
-        # has no such keys at all); hyperparameters come from the checkpoint, as in torch.optim.
-        storage = [{k: g[k] for k in _STORAGE_KEYS} for g in self.param_groups]
-        super().load_state_dict(state_dict)
-        for group, keep in zip(self.param_groups, storage):
-            group.update(keep)
+        """Load ours or a ``torch.optim.Adam``/``AdamW`` state_dict.
+
+        The whole checkpoint is checked first, against what this optimizer would create for each parameter
+        (keys, shapes, dtypes, devices, the block layout and scales of quantized states, finite values):
+        a bad one raises ValueError naming the parameter, the key and what was expected, and leaves the
+        optimizer as it was. States are then converted to this optimizer's format (fp32 states are
+        quantized, quantized ones dequantized where this optimizer keeps plain state); hyperparameters come
+        from the checkpoint, how states are stored (``state_format``, ``block_size``, ``min_quant_size``,
+        ``decoupled_weight_decay``) from this optimizer.
+        """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        param_groups, state = checked_state(self, state_dict, _STORAGE_KEYS)
+        self.__setstate__({"state": state, "param_groups": param_groups})
         self._plans.clear()  # plans point at the replaced state tensors
-        # torch.optim casts every state to its parameter's dtype (bf16 params: fp32 states rounded to bf16);
-        # take the saved values instead, so that a checkpoint resumes exactly.
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            for p, pid in zip(group["params"], saved["params"]):
-                if state_dict["state"].get(pid):
-                    self.state[p] = dict(state_dict["state"][pid])
-                    self._conform_state(p, group, self.state[p])
+        self._hp_tensors.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     # ---- hyperparameters as a device tensor: changing them never recompiles, never syncs ---------------
     def _hyperparams(self, group, device: torch.device) -> Tensor:
@@ -264,7 +323,8 @@ class Adam(torch.optim.Optimizer):
             params, states = self._params_with_grad(group)
             rest = range(len(params))
             if params and self._fused:
-                plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, group["amsgrad"])
+                plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, group["amsgrad"],
+                                         self._interpreter)
                 for plan in plans:
                     plan.launch(self._hyperparams(group, plan.params[0].device),
                                 decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
@@ -285,7 +345,9 @@ class Adam(torch.optim.Optimizer):
             p, grad, states = _alias(p, shape), _alias(grad, shape), [None if s is None else _alias(s, shape)
                                                                       for s in states]
         state["step"].add_(1)
-        coefs = adam_coefficients(state["step"], hp, group["decoupled_weight_decay"])  # (8,)
+        # the update's compute dtype: fp64 for fp64 parameters, fp32 otherwise (as the fused kernels)
+        coefs = adam_coefficients(state["step"], hp, group["decoupled_weight_decay"])  # (8,) float64
+        coefs = coefs if p.dtype == torch.float64 else coefs.to(torch.float32)
         self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
                      amsgrad=group["amsgrad"], maximize=group["maximize"])
 

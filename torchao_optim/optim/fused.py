@@ -50,12 +50,12 @@ def _triton_importable() -> bool:
 
 def fused_available(device: Optional[torch.device] = None) -> bool:
     """Whether the fused kernels can run on ``device`` (default: on some device of this machine)."""
+    if device is None:
+        return fused_available("cuda") or fused_available("cpu")
     if not _triton_importable():
         return False
-    if device is None:
-        return torch.cuda.is_available() or _interpreter()
     device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and _interpreter())
+    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and _interpreter())
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
@@ -75,8 +75,11 @@ def _state_layout(state) -> Optional[object]:
     return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
 
 
-def plan_key(p: Tensor, state, amsgrad: bool) -> Optional[tuple]:
-    """What a plan's parameters share, or None if no fused kernel can update ``p``."""
+def plan_key(p: Tensor, state, amsgrad: bool, interpreter: bool = False) -> Optional[tuple]:
+    """What a plan's parameters share, or None if no fused kernel can update ``p`` (CPU parameters only with
+    ``interpreter``: Triton's interpreter is for testing)."""
+    if p.device.type == "cpu" and not interpreter:
+        return None
     if amsgrad or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
         return None
     from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -164,7 +167,7 @@ class GroupPlan:
 
         self.refresh_grads()
         self.steps.add_(1)
-        coefs = adam_coefficients(self.steps, hyperparams, decoupled)  # (n_tensors, 8)
+        coefs = adam_coefficients(self.steps, hyperparams, decoupled).to(torch.float32)  # (n_tensors, 8)
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ROWS=self.rows,
@@ -175,7 +178,7 @@ class GroupPlan:
         )
 
 
-def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: bool
+def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: bool, interpreter: bool = False
                ) -> Tuple[List[GroupPlan], List[int]]:
     """The plans covering what the fused kernels can update in ``params`` (reused from ``cache`` while the
     same parameters have gradients), and the indexes of the parameters left to the compiled path."""
@@ -185,7 +188,7 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: b
     buckets: Dict[tuple, List[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
-        k = plan_key(p, s, amsgrad)
+        k = plan_key(p, s, amsgrad, interpreter)
         if k is None:
             rest.append(i)
         else:

@@ -6,7 +6,8 @@ dequantize -> update -> requantize chain of one parameter fuses into one kernel.
 
 Non-finite gradient elements are skipped: that element's parameter and states keep their values (up to
 requantization of its block) and nothing else in its block changes. This is bitsandbytes' policy, except
-that we keep the element's state rather than zeroing it.
+that we keep the element's state rather than zeroing it. An element whose new ``m`` or ``v`` would overflow
+the state's dtype (a finite gradient beyond about 5.8e20 in fp32) is skipped the same way.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_w
     """Adam's per-step coefficients for parameters at step counts ``step`` (any shape, already advanced).
 
     ``hyperparams`` is the group's ``(lr, beta1, beta2, eps, weight_decay)`` as a float64 tensor on the
-    step's device. Returns fp32 ``step.shape + (8,)`` in the order of :data:`COEFS`: ``lr / (1 - beta1**t)``,
+    step's device. Returns float64 ``step.shape + (8,)`` (executors take them in their compute dtype) in the order of :data:`COEFS`: ``lr / (1 - beta1**t)``,
     ``1 / sqrt(1 - beta2**t)``, the weight-decay coefficient (``1 - lr * weight_decay`` for AdamW, the L2
     factor for Adam), then ``beta1, 1 - beta1, beta2, 1 - beta2, eps``.
 
@@ -40,7 +41,7 @@ def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_w
     wd = 1 - lr * weight_decay if decoupled_weight_decay else weight_decay
     consts = torch.stack([wd, beta1, 1 - beta1, beta2, 1 - beta2, eps])  # (6,)
     per_step = torch.stack([lr / (1 - beta1**t), (1 - beta2**t).rsqrt()], dim=-1)  # step.shape + (2,)
-    return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (6,))], dim=-1).to(torch.float32)
+    return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (6,))], dim=-1)
 
 
 def adam_update(
@@ -57,24 +58,34 @@ def adam_update(
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place.
 
-    ``coefs`` is this parameter's row of :func:`adam_coefficients` (fp32, (8,)): changing a hyperparameter
-    changes data, never the compiled graph.
+    ``coefs`` is this parameter's row of :func:`adam_coefficients` (8,), in the compute dtype: changing a
+    hyperparameter changes data, never the compiled graph.
     """
     step_size, inv_bc2, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
-    g = grad.float()
+    # State arithmetic in the state's dtype (fp32, or fp64 for the plain state of fp64 parameters); the
+    # parameter's arithmetic in fp32, or fp64 for fp64 parameters, so that no update smaller than an fp32
+    # ulp of the parameter is lost.
+    g = grad.to(exp_avg.dtype)
     if maximize:
         g = -g
     finite = torch.isfinite(g)
     g = torch.where(finite, g, 0.0)
-    p = param.float()
+    p = param.to(torch.promote_types(param.dtype, torch.float32))
     if decoupled_weight_decay:
         p_decayed = p * wd
     else:
-        g = g + wd * p
+        g = g + (wd * p).to(g.dtype)
         p_decayed = p
 
-    m = torch.where(finite, exp_avg + one_minus_beta1 * (g - exp_avg), exp_avg)
-    v = torch.where(finite, exp_avg_sq * beta2 + one_minus_beta2 * g * g, exp_avg_sq)
+    m_new = exp_avg + one_minus_beta1 * (g - exp_avg)
+    # ((1 - beta2) * g) * g: finite for |g| up to sqrt(max / (1 - beta2)) (5.8e20 in fp32 with beta2 = 0.999)
+    v_new = exp_avg_sq * beta2 + one_minus_beta2 * g * g
+    # An element whose new moment overflows is skipped as a non-finite gradient is. torch.optim would store
+    # Inf there (and never move the element again); a quantized state cannot hold Inf, and the largest code
+    # it would saturate to is the block's largest finite value: a small v under a huge m.
+    ok = finite & torch.isfinite(m_new) & torch.isfinite(v_new)
+    m = torch.where(ok, m_new, exp_avg)
+    v = torch.where(ok, v_new, exp_avg_sq)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
     if amsgrad:
@@ -83,4 +94,4 @@ def adam_update(
 
     denom = v.sqrt() * inv_bc2 + eps
     p_new = p_decayed - step_size * (m / denom)
-    param.copy_(torch.where(finite, p_new, p))
+    param.copy_(torch.where(ok, p_new, p))

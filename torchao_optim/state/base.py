@@ -140,6 +140,11 @@ class QuantizedState(torch.Tensor):
         return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
 
     @classmethod
+    def check_values(cls, x: torch.Tensor, **attrs) -> None:
+        """Raise ValueError if ``x`` holds values these ``attrs`` cannot represent (called by ``from_float``;
+        an unsigned format refuses negative values rather than storing their magnitude)."""
+
+    @classmethod
     def from_float(cls, x: torch.Tensor, **attrs):
         """Quantize a float tensor (any layout); the result dequantizes to ``x.dtype``."""
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedState):
@@ -147,7 +152,45 @@ class QuantizedState(torch.Tensor):
         _check_float_dtype(cls, x.dtype)
         attrs = cls._attrs(**attrs)
         cls.check_attrs(x.shape, **attrs)
+        cls.check_values(x.detach(), **attrs)
         return cls(x.shape, x.dtype, **cls.quantize_fields(x.detach(), **attrs), **attrs)
+
+    def check_fields(self) -> None:
+        """Raise ValueError unless the inner tensors are exactly what this format creates for this shape and
+        these attributes (type, dtype, shape, one device that holds data) and every floating scale
+        (``blockwise_fields``) is finite and non-negative. Run on anything that comes from outside, such as a
+        checkpoint: the aten ops trust the layout and would read past a truncated field."""
+        name = type(self).__name__
+        _check_float_dtype(type(self), self.dtype)
+        self.check_attrs(self.shape, **self.attrs())
+        expected = self.zeros_fields(self.shape, torch.device("meta"), **self.attrs())
+        for field, want in expected.items():
+            got = getattr(self, field, None)
+            if type(got) is not torch.Tensor:
+                raise ValueError(f"{name}.{field} must be a plain tensor, got {type(got).__name__}")
+            if got.dtype != want.dtype or got.shape != want.shape:
+                raise ValueError(f"{name}.{field} of a tensor of shape {tuple(self.shape)} with {self.attrs()} "
+                                 f"must be {want.dtype} of shape {tuple(want.shape)}, got {got.dtype} of shape "
+                                 f"{tuple(got.shape)}")
+            if got.device != self.device or got.device.type == "meta":
+                raise ValueError(f"{name}.{field} is on {got.device}; every field must hold data on the "
+                                 f"tensor's device ({self.device})")
+            if field in self.blockwise_fields and got.is_floating_point():
+                bad = ~(torch.isfinite(got) & (got >= 0))
+                if bad.any():
+                    i = int(bad.nonzero()[0])
+                    raise ValueError(f"{name}.{field} must be finite and non-negative (a scale per block); "
+                                     f"block {i} holds {got[i].item()}")
+
+    def share_memory_(self):
+        """Move every inner tensor to shared memory (``torch.multiprocessing``, Hogwild training); in place."""
+        # The wrapper itself has no storage of its own to share.
+        for inner in self.fields().values():
+            inner.share_memory_()
+        return self
+
+    def is_shared(self) -> bool:
+        return all(inner.is_shared() for inner in self.fields().values())
 
     def _new(self, fields: Dict[str, torch.Tensor], shape=None, dtype=None):
         return type(self)(
@@ -208,6 +251,8 @@ class QuantizedState(torch.Tensor):
             if impl is not None:
                 return impl(func, args, kwargs)
         impl = _OPS.get(func)
+        if impl is None and str(func) in _MATH_OP_NAMES:
+            impl = _math
         if impl is None:
             raise NotImplementedError(
                 f"{cls.__name__} does not implement {func}. Dequantize first (x.dequantize()), or add the op "
@@ -236,6 +281,8 @@ _MATH_OPS = [
     aten.div.Tensor, aten.div.Scalar, aten.maximum.default, aten.neg.default, aten.abs.default,
     aten.where.self,
 ]
+# Registered by inductor on import, so named rather than referenced: compiled lerp_ decomposes to it.
+_MATH_OP_NAMES = {"prims.fma.default"}
 _INPLACE_OPS = [
     aten.lerp_.Scalar, aten.lerp_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor,
     aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.addcmul_.default, aten.addcdiv_.default,

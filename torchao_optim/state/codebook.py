@@ -64,6 +64,17 @@ class CodebookState(QuantizedState):
         bucket_tables(layout.codebook, layout.never_zero)
 
     @classmethod
+    def check_values(cls, x, **attrs):
+        layout = cls.layout_of(attrs)
+        if min(layout.codebook) >= 0:
+            negative = x < 0
+            if negative.any():
+                described = ", ".join(f"{k}={v!r}" for k, v in attrs.items())
+                raise ValueError(f"{cls.__name__} with {described} stores values >= 0 only (its codebook has no "
+                                 f"negative values); got {int(negative.sum())} negative values, the smallest "
+                                 f"{x.min().item()}")
+
+    @classmethod
     def quantize_fields(cls, x, **attrs):
         layout = cls.layout_of(attrs)
         codes, absmax = quantize_blockwise(x, layout.codebook, layout.block_size, layout.never_zero, layout.bits)

@@ -1,0 +1,87 @@
+"""The one encoding rule, three encoders: the O(1) encoder (eager and compiled), the kernels' Triton encoder
+and the binary-search reference agree bit for bit on a sweep of over 10^7 values that includes every
+decision boundary, the floats either side of each, zeros, the smallest normals and subnormals."""
+import pytest
+import torch
+
+import made_up_formats
+from torchao_optim.optim.fused import fused_available
+from torchao_optim.quant import create_dynamic_map, decision_boundaries, quantize_nearest, quantize_nearest_search
+
+CODEBOOKS = {
+    "dtq8 signed": (tuple(create_dynamic_map(True).tolist()), False),
+    "dtq8 unsigned": (tuple(create_dynamic_map(False).tolist()), True),
+    "made-up cubic": (made_up_formats._cubic(True), False),
+    "made-up quadratic": (made_up_formats._cubic(False), True),
+    "4-bit dynamic map": (tuple(create_dynamic_map(True, 3, 4).tolist()), False),
+    "4-bit grid": (tuple(torch.linspace(0, 1, 16).tolist()), True),
+}
+LARGE = {"dtq8 signed", "dtq8 unsigned"}  # 5M random values each; 1M for the others: 10^7 and more in all
+
+
+def sweep(codebook, never_zero, n_random, seed=0):
+    """Every boundary, the two floats either side of it (and their negatives), special values, and values
+    log-uniform over [1e-40, 1] of both signs (so subnormals too)."""
+    bounds = decision_boundaries(codebook, never_zero)
+    up, down = torch.tensor(2.0), torch.tensor(-2.0)
+    near = [bounds, bounds.nextafter(up), bounds.nextafter(down), bounds.nextafter(up).nextafter(up),
+            bounds.nextafter(down).nextafter(down)]
+    near += [-x for x in near]
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, tiny, -tiny, tiny / 2, -tiny / 2, 1e-45, -1e-45, 1e-40, 0.5])
+    g = torch.Generator().manual_seed(seed)
+    mag = 10 ** torch.empty(n_random, dtype=torch.float64).uniform_(-40, 0, generator=g)
+    sign = torch.randint(0, 2, (n_random,), generator=g) * 2 - 1
+    y = torch.cat(near + [special, (mag * sign).float()])
+    return y.clamp(-1.0, 1.0)
+
+
+@pytest.fixture(scope="module", params=sorted(CODEBOOKS))
+def case(request):
+    codebook, never_zero = CODEBOOKS[request.param]
+    y = sweep(codebook, never_zero, 5_000_000 if request.param in LARGE else 1_000_000)
+    return request.param, codebook, never_zero, y, quantize_nearest_search(y, codebook, never_zero)
+
+
+def test_o1_encoder_equals_search(case):
+    name, codebook, never_zero, y, ref = case
+    assert torch.equal(quantize_nearest(y, codebook, never_zero), ref), name
+
+
+def test_compiled_encoder_equals_search(case):
+    name, codebook, never_zero, y, ref = case
+    if name not in LARGE:
+        pytest.skip("one compile per codebook: the dynamic maps stand for the rest")
+    f = torch.compile(lambda y: quantize_nearest(y, codebook, never_zero), fullgraph=True, dynamic=True)
+    assert torch.equal(f(y), ref), name
+
+
+@pytest.mark.skipif(not fused_available("cuda") and not fused_available("cpu"),
+                    reason="needs Triton (a GPU, or its interpreter)")
+def test_kernel_encoder_equals_search(case):
+    from torchao_optim.kernels.triton_codec import quantize_nearest_triton
+
+    name, codebook, never_zero, y, ref = case
+    device = "cuda" if fused_available("cuda") else "cpu"
+    assert torch.equal(quantize_nearest_triton(y.to(device), codebook, never_zero).cpu(), ref), name
+
+
+def test_rule_is_nearest_with_ties_toward_zero():
+    codebook = (-1.0, -0.5, 0.0, 0.5, 1.0)
+    y = torch.tensor([-0.75, -0.25, 0.25, 0.75, -0.7, 0.3, 0.0, -0.0])
+    # on a midpoint the code nearer zero wins; elsewhere the nearest
+    expected = torch.tensor([1, 2, 2, 3, 1, 3, 2, 2], dtype=torch.uint8)
+    assert torch.equal(quantize_nearest(y, codebook), expected)
+    assert torch.equal(quantize_nearest_search(y, codebook), expected)
+    # never_zero: a positive value never takes 0.0's code, zero itself does
+    y = torch.tensor([0.0, 1e-30, 0.2, -1e-30])
+    assert torch.equal(quantize_nearest(y, codebook, never_zero=True), torch.tensor([2, 3, 3, 2], dtype=torch.uint8))
+
+
+def test_a_codebook_too_dense_for_the_encoder_is_refused():
+    from torchao_optim.quant import bucket_tables
+
+    with pytest.raises(ValueError, match="too close together"):
+        bucket_tables((0.0, 0.5, 0.5 + 2**-20, 0.5 + 2**-19, 1.0))
+    with pytest.raises(ValueError, match="sorted"):
+        bucket_tables((0.0, 1.0, 0.5))

@@ -1,0 +1,156 @@
+"""Loading an optimizer checkpoint: check all of it, convert it, and only then let the optimizer take it.
+
+:func:`checked_state` reads a ``state_dict`` (ours, or ``torch.optim.Adam``/``AdamW``'s) against what the
+optimizer would create for each of its parameters and returns the new param groups and state, without
+touching the optimizer. Anything inconsistent raises one ``ValueError`` that names the parameter (its
+index over all groups, and its name where the checkpoint has ``param_names``), the key, what was expected
+and what was found: a missing key, a state of another shape, a dtype that is not floating, a quantized
+state whose fields do not fit its shape (truncated codes, an absmax of the wrong length, a NaN absmax),
+non-finite or (for ``exp_avg_sq``) negative values. Loading such a checkpoint would otherwise train on
+garbage or fail deep inside a compiled step.
+
+What converts rather than fails: a state of another format or precision (fp32 into a quantized format,
+quantized into plain state, another block size, fp16/bf16/fp64 values) and a state on another device.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchao_optim.state import QuantizedState
+
+__all__ = ["checked_state"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
+# Group keys torch.optim.Adam fills in for old checkpoints; the rest of the hyperparameters must be there.
+_GROUP_DEFAULTS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
+_REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
+
+
+def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[List[dict], Dict[Tensor, dict]]:
+    """``(param_groups, state)`` for ``optimizer`` from ``state_dict``, or a ValueError; changes nothing.
+
+    ``storage_keys`` are the group keys that stay the optimizer's own (how states are stored)."""
+    if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+        keys = sorted(map(str, state_dict)) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"an optimizer state_dict is a dict with 'state' and 'param_groups', got {keys}")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, dict):
+        raise ValueError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                         f"{len(optimizer.param_groups)}")
+
+    groups, id_map, names = [], {}, {}
+    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        groups.append(_checked_group(optimizer, i, group, saved, storage_keys))
+        for j, (p, pid) in enumerate(zip(group["params"], saved["params"])):
+            if pid in id_map:
+                raise ValueError(f"param group {i} lists parameter id {pid!r}, which an earlier entry lists too")
+            id_map[pid] = (p, groups[-1], len(id_map))
+            if "param_names" in saved and j < len(saved["param_names"]):
+                names[pid] = saved["param_names"][j]
+
+    state: Dict[Tensor, dict] = {}
+    for pid, entry in saved_state.items():
+        if pid not in id_map:
+            raise ValueError(f"state_dict['state'] holds state for parameter id {pid!r}, which no param group "
+                             f"lists (ids listed: {sorted(id_map, key=str)[:8]}...)")
+        p, group, index = id_map[pid]
+        where = f"parameter {index}" + (f" ({names[pid]!r})" if pid in names else "") + f" of shape {tuple(p.shape)}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: its state must be a dict, got {type(entry).__name__}")
+        if entry:  # an empty entry: no state yet, created at the parameter's first step
+            state[p] = _checked_param_state(optimizer, p, group, entry, where)
+    return groups, state
+
+
+def _checked_group(optimizer, i: int, group: dict, saved: Any, storage_keys: Sequence[str]) -> dict:
+    if not isinstance(saved, dict):
+        raise ValueError(f"param group {i} of the state_dict must be a dict, got {type(saved).__name__}")
+    missing = [k for k in _REQUIRED_GROUP_KEYS if k not in saved]
+    if missing:
+        raise ValueError(f"param group {i} of the state_dict has no {missing} (keys: {sorted(saved)}); an Adam "
+                         f"state_dict has {list(_REQUIRED_GROUP_KEYS)}: is it another optimizer's?")
+    if not isinstance(saved["params"], (list, tuple)):
+        raise ValueError(f"param group {i} of the state_dict: 'params' must be a list of ids, got {saved['params']!r}")
+    if len(saved["params"]) != len(group["params"]):
+        raise ValueError(f"param group {i} of the state_dict has {len(saved['params'])} parameters, the "
+                         f"optimizer's {len(group['params'])}")
+    new = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
+    for key in _GROUP_DEFAULTS:
+        if key in group:
+            new.setdefault(key, group[key])
+    new.update({k: group[k] for k in storage_keys})
+    new["params"] = group["params"]
+    if "param_names" in group and "param_names" not in new:
+        new["param_names"] = group["param_names"]
+    optimizer._check_group(new, i)
+    return new
+
+
+def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: str) -> dict:
+    expected = ("step",) + optimizer._state_keys(group)
+    missing = [k for k in expected if k not in entry]
+    if missing:
+        raise ValueError(f"{where}: state has no {missing} (keys: {sorted(map(str, entry))}; expected "
+                         f"{list(expected)}, as amsgrad={group['amsgrad']})")
+    unknown = [k for k in entry if k not in ("step",) + _MOMENTS]
+    if unknown:
+        raise ValueError(f"{where}: state has unknown keys {unknown}; an Adam state holds {['step', *_MOMENTS]}")
+    out = {"step": _checked_step(p, entry["step"], where)}
+    for key in _MOMENTS:
+        if key in entry:
+            out[key] = _checked_moment(optimizer, p, group, key, entry[key], f"{where}: state[{key!r}]")
+    return out
+
+
+def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_complex() or step.device.type == "meta" or isinstance(step, QuantizedState):
+            raise ValueError(f"{where}: state['step'] must be a number or a one-element real tensor, got "
+                             f"{type(step).__name__} of shape {tuple(step.shape)} and dtype {step.dtype}")
+        value = float(step.detach().reshape(()).cpu())
+    elif isinstance(step, (int, float)) and not isinstance(step, bool):
+        value = float(step)
+    else:
+        raise ValueError(f"{where}: state['step'] must be a number or a one-element tensor, got {step!r}")
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{where}: state['step'] must be a finite count >= 0, got {value}")
+    return torch.tensor(value, dtype=torch.float32, device=p.device)
+
+
+def _checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, where: str) -> Tensor:
+    """``value`` checked and converted to what ``optimizer`` keeps for ``p``'s ``key``, on ``p``'s device."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
+    if value.shape != p.shape:
+        raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
+    fmt, signed = optimizer._format_for(p, group), _SIGNED[key]
+    if isinstance(value, QuantizedState):
+        try:
+            value.check_fields()
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(signed=signed,
+                                                                                    block_size=group["block_size"]):
+            # the layout this optimizer uses: the codes are kept as they are (exact resume)
+            return value.to(device=p.device, dtype=torch.float32, copy=True)
+        value = value.dequantize(torch.float32)
+    elif not value.is_floating_point() or value.device.type == "meta":
+        raise ValueError(f"{where} must be a floating-point tensor holding data, got {value.dtype} on "
+                         f"{value.device}")
+    bad = ~torch.isfinite(value) | ((value < 0) if not signed else torch.zeros_like(value, dtype=torch.bool))
+    if bad.any():
+        i = int(bad.reshape(-1).nonzero()[0])
+        rule = "finite" if signed else "finite and >= 0"
+        raise ValueError(f"{where} must be {rule}; element {i} (flat) holds {value.reshape(-1)[i].item()}")
+    if fmt is None:
+        return value.to(device=p.device, dtype=optimizer._plain_state_dtype(p), copy=True).contiguous()
+    return fmt.from_float(value.to(device=p.device, dtype=torch.float32), signed=signed,
+                          block_size=group["block_size"])
