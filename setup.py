@@ -10,7 +10,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={
-        "test": ["pytest", "expecttest", "hypothesis", "tqdm"],
+        # triton: the fused kernels also run in Triton's interpreter on the CPU, so the tests cover them there
+        "test": ["pytest", "expecttest", "hypothesis", "tqdm", "triton"],
         "bench": ["tqdm", "matplotlib"],
         "finetune": ["timm", "datasets", "tqdm", "matplotlib"],
     },

@@ -207,7 +207,14 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--warm-cache", action="store_true", help="keep the compile caches (first step not cold)")
     ap.add_argument("--out", default="results/step")
+    ap.add_argument("--formats-from", default=None,
+                    help="a Python file that registers more state formats (e.g. test/made_up_formats.py): each is "
+                         "benchmarked like the built-in ones, with no other change")
     args = ap.parse_args(argv)
+    if args.formats_from:
+        import runpy
+
+        runpy.run_path(args.formats_from)
 
     device = args.device
     geometries = (args.geometries or ("vit_b,llama_1b" if device == "cuda" else "gpt25m")).split(",")

@@ -178,6 +178,8 @@ def test_help_lists_every_optimizer(capsys):
     assert info.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     for name in bench.optimizer_names():
+        if "-test_" in name:  # formats other test modules register in this process; --help is built without them
+            continue
         assert name in out
 
 

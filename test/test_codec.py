@@ -52,6 +52,7 @@ def test_compiled_encoder_equals_search(case):
     name, codebook, never_zero, y, ref = case
     if name not in LARGE:
         pytest.skip("one compile per codebook: the dynamic maps stand for the rest")
+    quantize_nearest(y[:1], codebook, never_zero)  # builds the tables eagerly: compiled code reads them as constants
     f = torch.compile(lambda y: quantize_nearest(y, codebook, never_zero), fullgraph=True, dynamic=True)
     assert torch.equal(f(y), ref), name
 

@@ -479,7 +479,7 @@ HALF_GAP = {s: (torch.diff(create_dynamic_map(s).double()).max() / 2).item() for
 
 class TestFromFloat(expecttest.TestCase):
     def test_unsigned_refuses_negative_values(self):
-        with self.assertRaisesRegex(ValueError, r"signed=False stores values >= 0 only .*got 1 negative values, "
+        with self.assertRaisesRegex(ValueError, r"signed=False.* stores values >= 0 only .*got 1 negative values, "
                                                 r"the smallest -2.5"):
             DTQ8bitTensor.from_float(torch.tensor([1.0, -2.5, 3.0]), signed=False)
         q = DTQ8bitTensor.from_float(torch.tensor([1.0, -0.0, 0.0]), signed=False)  # -0.0 is not negative

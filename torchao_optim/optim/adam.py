@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -328,13 +328,33 @@ class Adam(torch.optim.Optimizer):
                 for plan in plans:
                     plan.launch(self._hyperparams(group, plan.params[0].device),
                                 decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
-            for i in rest:
-                self._step_one(params[i], states[i], group)
+            if rest:
+                self._step_compiled([params[i] for i in rest], [states[i] for i in rest], group)
         return loss
 
-    def _step_one(self, p: Tensor, state, group) -> None:
-        """The per-parameter compiled path: every format, every device."""
-        hp = self._hyperparams(group, p.device)
+    def _step_compiled(self, params, states, group) -> None:
+        """The per-parameter compiled path: every format, every device. The step counts and Adam's
+        coefficients are advanced and computed for all of them at once, per device (a handful of small
+        kernels, not a handful per parameter)."""
+        by_device: Dict[torch.device, List[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        for device, idx in by_device.items():
+            steps = [states[i]["step"] for i in idx]
+            torch._foreach_add_(steps, 1)
+            coefs = adam_coefficients(torch.stack(steps), self._hyperparams(group, device),
+                                      group["decoupled_weight_decay"])  # (n, 8) float64
+            # The update's compute dtype: fp64 for fp64 parameters, fp32 otherwise (as the fused kernels). Each
+            # parameter gets a row, a view at storage offset 8 * (row + 1): dynamo specializes offsets 0 and 1,
+            # so a first row at offset 0 would compile a graph of its own.
+            coefs = torch.nn.functional.pad(coefs, (0, 0, 1, 0))
+            rows64, rows32 = coefs.unbind(0), coefs.to(torch.float32).unbind(0)
+            for row, i in enumerate(idx, start=1):
+                self._step_one(params[i], states[i], group,
+                               rows64[row] if params[i].dtype == torch.float64 else rows32[row])
+
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+        """One parameter on the compiled path, with its row of :func:`adam_coefficients`."""
         grad = p.grad
         states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
         # Every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous parameter
@@ -344,10 +364,6 @@ class Adam(torch.optim.Optimizer):
             grad = grad if grad.is_contiguous() else grad.contiguous()
             p, grad, states = _alias(p, shape), _alias(grad, shape), [None if s is None else _alias(s, shape)
                                                                       for s in states]
-        state["step"].add_(1)
-        # the update's compute dtype: fp64 for fp64 parameters, fp32 otherwise (as the fused kernels)
-        coefs = adam_coefficients(state["step"], hp, group["decoupled_weight_decay"])  # (8,) float64
-        coefs = coefs if p.dtype == torch.float64 else coefs.to(torch.float32)
         self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
                      amsgrad=group["amsgrad"], maximize=group["maximize"])
 
