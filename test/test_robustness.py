@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 import torchao_optim
 from torchao_optim import Adam, AdamW, AdamW8bit, DTQ8bitTensor, QuantizedState, create_dynamic_map, dequantize_state_dict
 from torchao_optim.optim import compiled as compiled_module
+from torchao_optim.testing import assert_same_tensor
 
 SHAPES = [(64, 128), (4097,), (64,)]  # quantized whole blocks, quantized with a short last block, fp32 state
 
@@ -46,17 +47,6 @@ def snapshot(opt):
     state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in s.items()}
              for p, s in opt.state.items()}
     return groups, state
-
-
-def assert_same_tensor(test, a, b, what):
-    test.assertIs(type(a), type(b), what)
-    test.assertEqual(a.dtype, b.dtype, what)
-    if isinstance(a, QuantizedState):
-        test.assertEqual(a.attrs(), b.attrs(), what)
-        for name in a.tensor_fields():
-            test.assertTrue(torch.equal(getattr(a, name), getattr(b, name)), f"{what}: {name}")
-    else:
-        test.assertTrue(torch.equal(a, b), what)
 
 
 def assert_unchanged(test, opt, before, what):

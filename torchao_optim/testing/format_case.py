@@ -15,6 +15,7 @@ import expecttest
 import torch
 
 from torchao_optim.state import QuantizedState, get_state_format
+from torchao_optim.testing.compare import assert_same_tensor
 
 __all__ = ["StateFormatTestCase", "requires_cuda"]
 
@@ -64,14 +65,7 @@ class StateFormatTestCase(expecttest.TestCase):
         return x if signed else x.abs()
 
     def assertBitEqual(self, a, b):
-        self.assertIs(type(a), type(b))
-        self.assertEqual(a.shape, b.shape)
-        self.assertEqual(a.dtype, b.dtype)
-        if isinstance(a, QuantizedState):
-            for name in a.tensor_fields():
-                self.assertTrue(torch.equal(getattr(a, name), getattr(b, name)), f"field {name} differs")
-        else:
-            self.assertTrue(torch.equal(a, b))
+        assert_same_tensor(self, a, b)
 
     def assertWithinQuantError(self, q, x, signed=True):
         deq = q.dequantize().float().reshape(-1)
