@@ -10,8 +10,8 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={
-        # triton: the fused kernels also run in Triton's interpreter on the CPU, so the tests cover them there
-        "test": ["pytest", "expecttest", "hypothesis", "tqdm", "triton"],
+        # triton (and numpy, its interpreter's arrays): the fused kernels also run on the CPU, so the tests cover them
+        "test": ["pytest", "expecttest", "hypothesis", "numpy", "tqdm", "triton"],
         "bench": ["tqdm", "matplotlib"],
         "finetune": ["timm", "datasets", "tqdm", "matplotlib"],
     },
