@@ -425,7 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seq_len", type=int, default=None,
                         help="bytes per sequence, at most the preset's context. Default: the context")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate. Default: the preset's")
-    parser.add_argument("--warmup", type=int, default=None, help="linear warm-up steps; 0 for none. Default: 5%% of --steps")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="linear warm-up steps; 0 for none. Default: 5%% of --steps")
     parser.add_argument("--beta1", type=float, default=0.9, help="Adam beta1. Default: %(default)s")
     parser.add_argument("--beta2", type=float, default=0.95, help="Adam beta2. Default: %(default)s")
     parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon. Default: %(default)s")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import io
 import math
 import re
 import warnings
@@ -33,7 +32,7 @@ from torchao_optim import (
     create_dynamic_map,
     dequantize_state_dict,
 )
-from torchao_optim.testing import assert_same_tensor
+from torchao_optim.testing import assert_same_tensor, save_load
 
 # Largest |x - dequantize(quantize(x))| as a fraction of the block's absmax: half the widest gap of the
 # signed map (exp_avg; about 0.9/128) and of the unsigned map (exp_avg_sq, max_exp_avg_sq; about 0.9/256).
@@ -780,13 +779,6 @@ class TestMixedPrecision(expecttest.TestCase):
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------
-def _save_load(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 class TestCheckpoint(expecttest.TestCase):
     def test_load_torch_adamw_state_dict(self):
         """A torch.optim.AdamW state_dict loads into AdamW8bit: large states are quantized, within one
@@ -798,7 +790,7 @@ class TestCheckpoint(expecttest.TestCase):
         problem.train(r, ref, 5)
         ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
         o = AdamW8bit(ours)
-        o.load_state_dict(_save_load(r.state_dict()))
+        o.load_state_dict(save_load(r.state_dict()))
         for p, q in zip(ours, ref):
             what = f"shape {tuple(p.shape)}"
             self.assertEqual(float(o.state[p]["step"]), 5.0)
@@ -837,7 +829,7 @@ class TestCheckpoint(expecttest.TestCase):
         o = AdamW8bit(ours, lr=2e-3, weight_decay=0.05)
         problem.train(o, ours, 5)
         sd = o.state_dict()
-        plain = _save_load(dequantize_state_dict(sd))
+        plain = save_load(dequantize_state_dict(sd))
         for i, p in enumerate(ours):
             self.assertIs(type(o.state[p]["exp_avg"]), DTQ8bitTensor if p.numel() >= 4096 else torch.Tensor)
             for key in ("exp_avg", "exp_avg_sq"):
@@ -863,7 +855,7 @@ class TestCheckpoint(expecttest.TestCase):
         problem.train(o, ours, 3)
         other = [torch.nn.Parameter(p.detach().clone()) for p in ours]
         o2 = AdamW(other, state_format="none", compile=False)
-        o2.load_state_dict(_save_load(dequantize_state_dict(o.state_dict())))
+        o2.load_state_dict(save_load(dequantize_state_dict(o.state_dict())))
         for p, q in zip(ours, other):
             self.assertEqual(float(o2.state[q]["step"]), 3.0)
             for key in ("exp_avg", "exp_avg_sq"):

@@ -8,7 +8,6 @@ checked is which graphs exist, not what they compile to.
 from __future__ import annotations
 
 import copy
-import io
 import pickle
 import re
 import warnings
@@ -21,10 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch._dynamo.utils import counters
 
-import torchao_optim
-from torchao_optim import Adam, AdamW, AdamW8bit, DTQ8bitTensor, QuantizedState, create_dynamic_map, dequantize_state_dict
+from torchao_optim import Adam, AdamW, AdamW8bit, DTQ8bitTensor, create_dynamic_map, dequantize_state_dict
 from torchao_optim.optim import compiled as compiled_module
-from torchao_optim.testing import assert_same_tensor
+from torchao_optim.testing import assert_same_tensor, save_load
 
 SHAPES = [(64, 128), (4097,), (64,)]  # quantized whole blocks, quantized with a short last block, fp32 state
 
@@ -217,16 +215,10 @@ class TestCorruptCheckpoints(expecttest.TestCase):
 
 
 # ---- copies ------------------------------------------------------------------------------------------------
-def _torch_round_trip(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=False)
-
-
 class TestCopies(expecttest.TestCase):
     def test_copies_step_like_the_original(self):
-        for how in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), _torch_round_trip):
+        whole_object = lambda o: save_load(o, weights_only=False)  # noqa: E731
+        for how in (copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o)), whole_object):
             model = torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.Linear(64, 8))
             opt = AdamW8bit(model.parameters(), lr=1e-2, compile=False)
             for _ in range(2):

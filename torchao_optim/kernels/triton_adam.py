@@ -26,7 +26,7 @@ def adam_kernel(
     ptrs,  # int64 (n_tensors, 5): param, exp_avg codes (or fp32 values), its absmax, the same for exp_avg_sq
     grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
-    coefs,  # fp32 (n_tensors, 8): the columns of optim.update.COEFS
+    coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first block; a program updates ROWS consecutive blocks
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
@@ -38,7 +38,7 @@ def adam_kernel(
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 5
-    c = coefs + t * 8
+    c = coefs + t * 7
     numel = tl.load(numels + t)
     first_block = tl.load(prog_block + pid).to(tl.int64)
     start = first_block * BLOCK
@@ -55,8 +55,7 @@ def adam_kernel(
     m = load_state(mc, ms, start, first_block, local, mask, row_mask, m_values, M_QUANT, M_BITS, ROWS)
     v = load_state(vc, vs, start, first_block, local, mask, row_mask, v_values, V_QUANT, V_BITS, ROWS)
     step_size, inv_bc2, wd = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2)
-    beta1, one_minus_beta1, beta2, one_minus_beta2, eps = (tl.load(c + 3), tl.load(c + 4), tl.load(c + 5),
-                                                           tl.load(c + 6), tl.load(c + 7))
+    one_minus_beta1, beta2, one_minus_beta2, eps = tl.load(c + 3), tl.load(c + 4), tl.load(c + 5), tl.load(c + 6)
 
     if MAXIMIZE:
         g = -g

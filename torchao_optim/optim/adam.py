@@ -343,7 +343,7 @@ class Adam(torch.optim.Optimizer):
             steps = [states[i]["step"] for i in idx]
             torch._foreach_add_(steps, 1)
             coefs = adam_coefficients(torch.stack(steps), self._hyperparams(group, device),
-                                      group["decoupled_weight_decay"])  # (n, 8) float64
+                                      group["decoupled_weight_decay"])  # (n, 7) float64
             # The update's compute dtype: fp64 for fp64 parameters, fp32 otherwise (as the fused kernels). Each
             # parameter gets a row, a view at storage offset 8 * (row + 1): dynamo specializes offsets 0 and 1,
             # so a first row at offset 0 would compile a graph of its own.

@@ -167,7 +167,7 @@ class GroupPlan:
 
         self.refresh_grads()
         self.steps.add_(1)
-        coefs = adam_coefficients(self.steps, hyperparams, decoupled).to(torch.float32)  # (n_tensors, 8)
+        coefs = adam_coefficients(self.steps, hyperparams, decoupled).to(torch.float32)  # (n_tensors, 7)
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ROWS=self.rows,

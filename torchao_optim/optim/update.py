@@ -19,17 +19,18 @@ __all__ = ["adam_update", "adam_coefficients", "COEFS"]
 
 
 # Columns of the coefficient table both executors read, one row per parameter.
-COEFS = ("step_size", "inv_bias_correction2_sqrt", "weight_decay", "beta1", "one_minus_beta1", "beta2",
-         "one_minus_beta2", "eps")
+COEFS = ("step_size", "inv_bias_correction2_sqrt", "weight_decay", "one_minus_beta1", "beta2", "one_minus_beta2",
+         "eps")
 
 
 def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_weight_decay: bool) -> torch.Tensor:
     """Adam's per-step coefficients for parameters at step counts ``step`` (any shape, already advanced).
 
     ``hyperparams`` is the group's ``(lr, beta1, beta2, eps, weight_decay)`` as a float64 tensor on the
-    step's device. Returns float64 ``step.shape + (8,)`` (executors take them in their compute dtype) in the order of :data:`COEFS`: ``lr / (1 - beta1**t)``,
+    step's device. Returns float64 ``step.shape + (7,)`` (executors take them in their compute dtype) in the
+    order of :data:`COEFS`: ``lr / (1 - beta1**t)``,
     ``1 / sqrt(1 - beta2**t)``, the weight-decay coefficient (``1 - lr * weight_decay`` for AdamW, the L2
-    factor for Adam), then ``beta1, 1 - beta1, beta2, 1 - beta2, eps``.
+    factor for Adam), then ``1 - beta1, beta2, 1 - beta2, eps``.
 
     Computed once per group and step, in float64 like torch.optim's Python-float arithmetic (``1 - beta2``
     from an fp32 beta2 would be off by 1e-5 relative), and handed to either executor: the compiled
@@ -39,9 +40,9 @@ def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_w
     t = step.to(torch.float64)
     lr, beta1, beta2, eps, weight_decay = hyperparams.unbind()
     wd = 1 - lr * weight_decay if decoupled_weight_decay else weight_decay
-    consts = torch.stack([wd, beta1, 1 - beta1, beta2, 1 - beta2, eps])  # (6,)
+    consts = torch.stack([wd, 1 - beta1, beta2, 1 - beta2, eps])  # (5,)
     per_step = torch.stack([lr / (1 - beta1**t), (1 - beta2**t).rsqrt()], dim=-1)  # step.shape + (2,)
-    return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (6,))], dim=-1)
+    return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (5,))], dim=-1)
 
 
 def adam_update(
@@ -58,10 +59,10 @@ def adam_update(
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place.
 
-    ``coefs`` is this parameter's row of :func:`adam_coefficients` (8,), in the compute dtype: changing a
+    ``coefs`` is this parameter's row of :func:`adam_coefficients` (7,), in the compute dtype: changing a
     hyperparameter changes data, never the compiled graph.
     """
-    step_size, inv_bc2, wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
     # State arithmetic in the state's dtype (fp32, or fp64 for the plain state of fp64 parameters); the
     # parameter's arithmetic in fp32, or fp64 for fp64 parameters, so that no update smaller than an fp32
     # ulp of the parameter is lost.

@@ -1,11 +1,14 @@
-"""One bit-for-bit comparison of states for every test: plain tensors, or a format's inner tensors."""
+"""What every test compares with: bit-for-bit states (plain tensors, or a format's inner tensors), and a
+checkpoint's round trip through ``torch.save``/``torch.load``."""
 from __future__ import annotations
+
+import io
 
 import torch
 
 from torchao_optim.state import QuantizedState
 
-__all__ = ["assert_same_tensor"]
+__all__ = ["assert_same_tensor", "save_load"]
 
 
 def assert_same_tensor(test, a, b, what: str = "") -> None:
@@ -20,3 +23,12 @@ def assert_same_tensor(test, a, b, what: str = "") -> None:
             test.assertTrue(torch.equal(getattr(a, name), getattr(b, name)), f"{what}: field {name} differs")
     else:
         test.assertTrue(torch.equal(a, b), f"{what} differs")
+
+
+def save_load(obj, weights_only: bool = True):
+    """``obj`` after ``torch.save`` to memory and ``torch.load`` back (``weights_only`` as a checkpoint is
+    loaded; False for whole optimizer objects)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=weights_only)

@@ -7,15 +7,14 @@ by that subclass alone, never by editing a list.
 """
 from __future__ import annotations
 
-import io
 import pickle
 import unittest
 
 import expecttest
 import torch
 
-from torchao_optim.state import QuantizedState, get_state_format
-from torchao_optim.testing.compare import assert_same_tensor
+from torchao_optim.state import get_state_format
+from torchao_optim.testing.compare import assert_same_tensor, save_load
 
 __all__ = ["StateFormatTestCase", "requires_cuda"]
 
@@ -277,10 +276,7 @@ class StateFormatTestCase(expecttest.TestCase):
     # ---- checkpoints --------------------------------------------------------------------------------
     def test_save_load_weights_only_and_pickle(self):
         q = self.quantize(self.sample(3, 1000))
-        buf = io.BytesIO()
-        torch.save({"state": q}, buf)
-        buf.seek(0)
-        loaded = torch.load(buf, weights_only=True)["state"]
+        loaded = save_load({"state": q})["state"]
         self.assertBitEqual(loaded, q)
         self.assertBitEqual(pickle.loads(pickle.dumps(q)), q)
 

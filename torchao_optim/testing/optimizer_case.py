@@ -13,7 +13,6 @@ in Triton's interpreter, and is skipped where neither is available.
 """
 from __future__ import annotations
 
-import io
 import math
 import unittest
 import warnings
@@ -25,7 +24,7 @@ from torch._dynamo.utils import counters
 from torchao_optim.optim import Adam, AdamW
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState, get_state_format
-from torchao_optim.testing.compare import assert_same_tensor
+from torchao_optim.testing.compare import assert_same_tensor, save_load
 
 __all__ = ["OptimizerConformanceCase"]
 
@@ -38,13 +37,6 @@ FP32_REL = 1e-6
 
 def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
-
-
-def _save_load(obj):
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def _as_float(state):
@@ -205,7 +197,8 @@ class OptimizerConformanceCase(expecttest.TestCase):
         first = self.params()
         opt, sched = make(first)
         self.train(opt, first, 2, sched=sched)
-        ckpt = _save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(), "sched": sched.state_dict()})
+        ckpt = save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(),
+                          "sched": sched.state_dict()})
         resumed = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
         opt2, sched2 = make(resumed)
         opt2.load_state_dict(ckpt["opt"])
