@@ -1,6 +1,7 @@
-"""Tune and inspect the fused Adam kernel on CUDA: step time for each (ROWS, num_warps), registers and spills.
+"""Tune and inspect the fused Adam kernel on CUDA: step time for each (ITERS, PREFETCH, num_warps), registers
+and spills.
 
-    python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --rows 2,4,8 --warps 4,8
+    python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --iters 1,4,8 --prefetch 0,1 --warps 2,4
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -23,8 +25,9 @@ def main():
     ap.add_argument("--geometry", default="llama_1b")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--state-format", default="dtq8")
-    ap.add_argument("--rows", default="2,4,8")
-    ap.add_argument("--warps", default="4,8")
+    ap.add_argument("--iters", default="1,4,8,16")
+    ap.add_argument("--prefetch", default="0,1")
+    ap.add_argument("--warps", default="2,4")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -37,21 +40,28 @@ def main():
         params.append(p)
     floor = floor_bytes(shapes, dtype.itemsize, quantized=True) / copy_bandwidth("cuda") * 1e3
     print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
-    print("| rows | warps | step ms | x floor | regs | spills |\n|---|---|---|---|---|---|")
-    for rows in map(int, args.rows.split(",")):
-        for warps in map(int, args.warps.split(",")):
-            fused.ROWS, fused.NUM_WARPS = rows, warps
-            opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
-            for _ in range(3):
-                opt.step()
-            times = [_time(opt.step, "cuda") for _ in range(args.steps)]
-            ms = 1e3 * statistics.median(times)
-            plans = next(iter(opt._plans.values()))["plans"]
-            big = max(plans, key=lambda pl: pl.n_programs)
-            regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-            print(f"| {rows} | {warps} | {ms:.3f} | {ms / floor:.2f} | {regs} | {spills} |")
-            del opt
-            torch.cuda.empty_cache()
+    print("| iters | prefetch | warps | step ms | x floor | host ms | regs | spills |\n|---|---|---|---|---|---|---|---|")
+    configs = [(i, bool(int(f)), w) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
+               for w in map(int, args.warps.split(","))]
+    for iters, prefetch, warps in configs:
+        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS = iters, prefetch, warps
+        opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
+        for _ in range(3):
+            opt.step()
+        times = [_time(opt.step, "cuda") for _ in range(args.steps)]
+        ms = 1e3 * statistics.median(times)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):  # the host's share: enqueueing without waiting
+            opt.step()
+        host_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+        torch.cuda.synchronize()
+        plans = next(iter(opt._plans.values()))["plans"]
+        big = max(plans, key=lambda pl: pl.n_programs)
+        regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
+        print(f"| {iters} | {int(prefetch)} | {warps} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
+        del opt
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

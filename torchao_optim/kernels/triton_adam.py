@@ -1,14 +1,17 @@
-"""The multi-tensor Adam/AdamW kernel on CUDA: one launch updates every tensor of a plan, whatever its shape.
+"""The multi-tensor Adam/AdamW kernels on CUDA: one launch updates every tensor of a plan, whatever its shape.
 
 A plan's tensors share a device, param and grad dtypes and a state layout per moment (8- or 4-bit codes of
-one codebook, or plain fp32). The kernel takes a table of pointers (one row per tensor) and a map from
-program to (tensor, first block); each program holds ``ROWS`` quantization blocks in registers, reads the
-parameter, the gradient and both states once and writes them once. How a state is read and written is
-``triton_codec``'s, specialized by constexpr: the kernel knows no format.
+one codebook, or plain fp32). ``adam_kernel`` takes a table of pointers (one row per tensor) and a map from
+program to (tensor, first block); each program walks ``ITERS`` consecutive quantization blocks of its tensor,
+one ``BLOCK``-element register tile at a time, reading the parameter, the gradient and both states once and
+writing them once. With ``PREFETCH`` the loads of the next block are issued before the current block is
+computed, so a program keeps memory requests in flight while it decodes, updates and encodes. How a state is
+read and written is ``triton_codec``'s, specialized by constexpr: the kernel knows no format.
 
-The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s, with the per-step coefficients of
-:func:`torchao_optim.optim.update.adam_coefficients` read from a device table (so a tensor lr needs no
-host sync). This module imports Triton; import it only where Triton is available.
+The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s. ``adam_coefs_kernel`` advances the step
+counts and computes the per-tensor coefficients of :func:`torchao_optim.optim.update.adam_coefficients` in
+one small launch (fp64, like it), from a device tensor of hyperparameters, so a tensor lr needs no host sync.
+This module imports Triton; import it only where Triton is available.
 """
 from __future__ import annotations
 
@@ -16,9 +19,64 @@ import torch
 import triton
 import triton.language as tl
 
-from torchao_optim.kernels.triton_codec import load_state, store_state
+from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+@triton.jit
+def _pow(base, t):
+    """``base ** t`` in fp64 for integer-valued ``t`` in [0, 2**32), by squaring: within a few fp64 ulps."""
+    e = t.to(tl.int64)
+    result = tl.full(t.shape, 1.0, tl.float64)
+    b = tl.full(t.shape, 1.0, tl.float64) * base
+    for _ in tl.static_range(32):
+        result = tl.where((e & 1) != 0, result * b, result)
+        b = b * b
+        e = e >> 1
+    return result
+
+
+@triton.jit
+def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr):
+    """``steps += 1`` and ``coefs = adam_coefficients(steps, hyperparams, DECOUPLED)`` in fp32, for ``n`` tensors
+    (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay)."""
+    i = tl.arange(0, N_POW2)
+    mask = i < n
+    step = tl.load(steps + i, mask=mask, other=0.0) + 1.0
+    tl.store(steps + i, step, mask=mask)
+    t = step.to(tl.float64)
+    lr, beta1, beta2 = tl.load(hyperparams + 0), tl.load(hyperparams + 1), tl.load(hyperparams + 2)
+    eps, weight_decay = tl.load(hyperparams + 3), tl.load(hyperparams + 4)
+    if DECOUPLED:
+        wd = 1.0 - lr * weight_decay
+    else:
+        wd = weight_decay
+    step_size = lr / (1.0 - _pow(beta1, t))
+    inv_bc2 = 1.0 / tl.sqrt(1.0 - _pow(beta2, t))  # fp64 sqrt is correctly rounded
+    row = coefs + i * 7
+    zero = tl.zeros(t.shape, tl.float64)
+    tl.store(row + 0, step_size.to(tl.float32), mask=mask)
+    tl.store(row + 1, inv_bc2.to(tl.float32), mask=mask)
+    tl.store(row + 2, (zero + wd).to(tl.float32), mask=mask)
+    tl.store(row + 3, (zero + (1.0 - beta1)).to(tl.float32), mask=mask)
+    tl.store(row + 4, (zero + beta2).to(tl.float32), mask=mask)
+    tl.store(row + 5, (zero + (1.0 - beta2)).to(tl.float32), mask=mask)
+    tl.store(row + 6, (zero + eps).to(tl.float32), mask=mask)
+
+
+@triton.jit
+def _load_block(p_base, g_base, mc, ms, vc, vs, blk, numel, local,
+                BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+    """The raw inputs of block ``blk``: param, grad, and each state's codes and scale (or fp32 values)."""
+    start = blk * BLOCK
+    mask = local < numel - start
+    p = tl.load(p_base + start + local, mask=mask, other=0.0)
+    g = tl.load(g_base + start + local, mask=mask, other=0.0)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, mask, M_QUANT, M_BITS)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, mask, V_QUANT, V_BITS)
+    return p, g, m_raw, m_scale, v_raw, v_scale
 
 
 @triton.jit
@@ -28,11 +86,11 @@ def adam_kernel(
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
-    prog_block,  # int32 (n_programs,): its first block; a program updates ROWS consecutive blocks
+    prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
     v_values, v_level1, v_level2,  # exp_avg_sq's
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PREFETCH: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -40,45 +98,55 @@ def adam_kernel(
     row = ptrs + t * 5
     c = coefs + t * 7
     numel = tl.load(numels + t)
-    first_block = tl.load(prog_block + pid).to(tl.int64)
-    start = first_block * BLOCK
-    # offsets inside the tile, from the program's first element: constants per thread
-    local = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
-    mask = local < numel - start
-    row_mask = tl.arange(0, ROWS) * BLOCK < numel - start
-    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)) + start
-    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + start
+    first = tl.load(prog_block + pid).to(tl.int64)
+    n_iter = tl.minimum(tl.cdiv(numel - first * BLOCK, BLOCK), ITERS)
+    local = tl.arange(0, BLOCK)  # offsets inside the tile: constants per thread
+    p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-
-    p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
-    m = load_state(mc, ms, start, first_block, local, mask, row_mask, m_values, M_QUANT, M_BITS, ROWS)
-    v = load_state(vc, vs, start, first_block, local, mask, row_mask, v_values, V_QUANT, V_BITS, ROWS)
     step_size, inv_bc2, wd = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2)
     one_minus_beta1, beta2, one_minus_beta2, eps = tl.load(c + 3), tl.load(c + 4), tl.load(c + 5), tl.load(c + 6)
 
-    if MAXIMIZE:
-        g = -g
-    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
-    g = tl.where(finite, g, 0.0)
-    if DECOUPLED:
-        p_decayed = p * wd
-    else:
-        g = g + wd * p
-        p_decayed = p
-    m_new = m + one_minus_beta1 * (g - m)
-    v_new = v * beta2 + one_minus_beta2 * g * g
-    # an element whose new moment overflows is skipped too (adam_update says why)
-    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
-    m = tl.where(ok, m_new, m)
-    v = tl.where(ok, v_new, v)
-    # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
-    # the states, which decide the codes, do not depend on them
-    denom = tl.sqrt(v) * inv_bc2 + eps
-    p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
+    if PREFETCH:
+        nxt = _load_block(p_base, g_base, mc, ms, vc, vs, first, numel, local,
+                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+    for i in range(0, n_iter):
+        blk = first + i
+        start = blk * BLOCK
+        mask = local < numel - start
+        if PREFETCH:
+            p, g, m_raw, m_scale, v_raw, v_scale = nxt
+            # past the program's last block every lane is masked: no memory is touched
+            nxt = _load_block(p_base, g_base, mc, ms, vc, vs, blk + 1, tl.where(i + 1 < n_iter, numel, 0), local,
+                              BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        else:
+            p, g, m_raw, m_scale, v_raw, v_scale = _load_block(p_base, g_base, mc, ms, vc, vs, blk, numel, local,
+                                                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        p = p.to(tl.float32)
+        g = g.to(tl.float32)
+        m = load_state(m_raw, m_scale, m_values, M_QUANT)
+        v = load_state(v_raw, v_scale, v_values, V_QUANT)
 
-    tl.store(p_ptr + local, p.to(PARAM_DTYPE), mask=mask)
-    store_state(m, mc, ms, start, first_block, local, mask, row_mask, m_level1, m_level2,
-                M_QUANT, M_BITS, ROWS, BLOCK)
-    store_state(v, vc, vs, start, first_block, local, mask, row_mask, v_level1, v_level2,
-                V_QUANT, V_BITS, ROWS, BLOCK)
+        if MAXIMIZE:
+            g = -g
+        finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+        g = tl.where(finite, g, 0.0)
+        if DECOUPLED:
+            p_decayed = p * wd
+        else:
+            g = g + wd * p
+            p_decayed = p
+        m_new = m + one_minus_beta1 * (g - m)
+        v_new = v * beta2 + one_minus_beta2 * g * g
+        # an element whose new moment overflows is skipped too (adam_update says why)
+        ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+        m = tl.where(ok, m_new, m)
+        v = tl.where(ok, v_new, v)
+        # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
+        # the states, which decide the codes, do not depend on them
+        denom = tl.sqrt(v) * inv_bc2 + eps
+        p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
+
+        tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=mask)
+        store_state(m, mc, ms, start, blk, local, mask, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
+        store_state(v, vc, vs, start, blk, local, mask, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)

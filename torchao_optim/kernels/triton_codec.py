@@ -1,12 +1,12 @@
-"""Triton building blocks that read and write one optimizer state held as a (ROWS, BLOCK) register tile.
+"""Triton building blocks that read and write one optimizer state held as a (BLOCK,) register tile.
 
-Every state a :class:`~torchao_optim.state.layout.StateLayout` describes goes through these two functions,
+Every state a :class:`~torchao_optim.state.layout.StateLayout` describes goes through these functions,
 specialized at compile time by ``QUANT`` (codebook codes, or a plain fp32 tensor) and ``BITS`` (8, or 4
 with two codes per byte). They compute exactly what :mod:`torchao_optim.quant.blockwise` and
 :mod:`torchao_optim.quant.codec` compute (the same absmax, the same reciprocal, the same O(1) encoder
 over the same tables), so the fused kernels and the compiled path store the same codes for the same
-values. Pointers arrive already advanced to the program's first element and block, and ``local`` holds
-the tile's offsets from there (compile-time constants per thread: no per-element 64-bit arithmetic).
+values. A tile is addressed by a scalar (its first element ``start`` and its block ``blk``) plus ``local``,
+the offsets inside the tile (compile-time constants per thread: no per-element 64-bit arithmetic).
 This module imports Triton; import it only where Triton is available.
 """
 from __future__ import annotations
@@ -34,44 +34,54 @@ def encode(y, level1, level2):
 
 
 @triton.jit
-def load_state(codes, scales, start, first_block, local, mask, row_mask, values,
-               QUANT: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr):
-    """The state's fp32 values on the tile: ``local`` (ROWS, BLOCK) offsets from element ``start``, whose
-    block is ``first_block``. ``codes``/``scales`` are the raw addresses from the pointer table."""
+def load_codes(codes, scales, start, blk, local, mask, QUANT: tl.constexpr, BITS: tl.constexpr):
+    """The raw contents of one state on the tile: ``local`` (BLOCK,) offsets from element ``start``, which
+    opens block ``blk``. Returns (codes as int32, the block's scale), or (fp32 values, 0.0) for a plain
+    state. ``codes``/``scales`` are the raw addresses from the pointer table. Loading is split from
+    decoding (:func:`load_state`) so a kernel can issue the next tile's loads before it computes this one."""
     if QUANT:
         if BITS == 8:
             code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=mask, other=0).to(tl.int32)
         else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
             byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + local // 2, mask=mask, other=0)
             code = (byte.to(tl.int32) >> ((local & 1) * 4)) & 15
-        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + first_block + tl.arange(0, ROWS),
-                        mask=row_mask, other=0.0)
-        return tl.load(values + code) * scale[:, None]
+        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=tl.max(mask.to(tl.int32), 0) > 0,
+                        other=0.0)
+        return code, scale
     else:
-        return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=mask, other=0.0)
+        return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=mask, other=0.0), 0.0
 
 
 @triton.jit
-def store_state(x, codes, scales, start, first_block, local, mask, row_mask, level1, level2,
-                QUANT: tl.constexpr, BITS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Write ``x`` (ROWS, BLOCK fp32, one quantization block per row) back: the absmax of each row and the
-    codes of ``x * (1 / absmax)``, or the plain values. ``x`` is finite: the update never produces a
-    non-finite state (it skips such elements), so the compiled path's finiteness masks change nothing here."""
+def load_state(raw, scale, values, QUANT: tl.constexpr):
+    """The state's fp32 values from what :func:`load_codes` returned: one table load per element."""
     if QUANT:
-        absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=1)  # (ROWS,)
-        inv = tl.div_rn(tl.full(absmax.shape, 1.0, tl.float32), tl.where(absmax > 0, absmax, 1.0))
-        y = x * inv[:, None]
+        return tl.load(values + raw) * scale
+    else:
+        return raw
+
+
+@triton.jit
+def store_state(x, codes, scales, start, blk, local, mask, level1, level2,
+                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Write ``x`` (BLOCK fp32: quantization block ``blk``, from element ``start``) back: the block's absmax
+    and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is finite: the update never produces
+    a non-finite state (it skips such elements), so the compiled path's finiteness masks change nothing here."""
+    if QUANT:
+        absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+        inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
+        y = x * inv
         code = encode(tl.minimum(tl.maximum(y, -1.0), 1.0), level1, level2)
         if BITS == 8:
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local, code.to(tl.uint8), mask=mask)
         else:
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
-            lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (ROWS, BLOCK // 2, 2)))
-            byte_local = tl.arange(0, ROWS)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-            byte_mask = tl.max(tl.reshape(mask.to(tl.int32), (ROWS, BLOCK // 2, 2)), axis=2) > 0
+            lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
+            byte_local = tl.arange(0, BLOCK // 2)
+            byte_mask = tl.max(tl.reshape(mask.to(tl.int32), (BLOCK // 2, 2)), axis=1) > 0
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + byte_local, (lo | (hi << 4)).to(tl.uint8),
                      mask=byte_mask)
-        tl.store(scales.to(tl.pointer_type(tl.float32)) + first_block + tl.arange(0, ROWS), absmax, mask=row_mask)
+        tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)
 

@@ -171,6 +171,7 @@ class Adam(torch.optim.Optimizer):
         self._update = CompiledOrEager(adam_update, enabled=self._compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
+        self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
         # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
         self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
         self._interpreter = fused is True
@@ -266,6 +267,7 @@ class Adam(torch.optim.Optimizer):
         param_groups, state = checked_state(self, state_dict, _STORAGE_KEYS)
         self.__setstate__({"state": state, "param_groups": param_groups})
         self._plans.clear()  # plans point at the replaced state tensors
+        self._with_grad.clear()
         self._hp_tensors.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
@@ -292,11 +294,20 @@ class Adam(torch.optim.Optimizer):
 
     # ---- the step -----------------------------------------------------------------------------------
     def _params_with_grad(self, group):
+        """The group's parameters that have a gradient, and their states (created on first use). The lists
+        are reused while the same parameters have gradients: a step costs one pass over the grads."""
+        grads = [p.grad for p in group["params"]]
+        key = (tuple(map(id, group["params"])), tuple(g is None for g in grads))
+        cached = self._with_grad.get(id(group))
+        if cached is not None and cached[0] == key:
+            # The gradients may be new tensors every step; torch checks that a gradient's dtype is its
+            # parameter's, but a sparse one may replace a dense one.
+            if all(g is None or g.layout is torch.strided for g in grads):
+                return cached[1], cached[2]
         params, states = [], []
-        for p in group["params"]:
-            if p.grad is None:
+        for p, grad in zip(group["params"], grads):
+            if grad is None:
                 continue
-            grad = p.grad
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if grad.is_complex() or p.is_complex():
@@ -306,6 +317,7 @@ class Adam(torch.optim.Optimizer):
                 self._init_state(p, group, state)
             params.append(p)
             states.append(state)
+        self._with_grad[id(group)] = (key, params, states)
         return params, states
 
     @torch.no_grad()

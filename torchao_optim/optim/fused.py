@@ -22,15 +22,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from torchao_optim.optim.update import adam_coefficients
 from torchao_optim.quant import bucket_tables, codebook_tensor
 
 __all__ = ["fused_available", "GroupPlan", "plan_group"]
 
-ROWS = 1  # quantization blocks per program
-NUM_WARPS = 2
-FP32_BLOCK = 256  # elements per row when neither state is quantized
-MAX_BLOCK = 4096  # a program holds ROWS blocks in registers
+ITERS = 8  # quantization blocks per program, walked one register tile at a time
+PREFETCH = True  # issue the next tile's loads before computing the current one
+NUM_WARPS = 1  # one warp per 256-element block: its absmax is a warp reduction, no shared memory
+FP32_BLOCK = 256  # elements per tile when neither state is quantized
+MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
 
 
 def _interpreter() -> bool:
@@ -127,25 +127,26 @@ class GroupPlan:
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
         self.m_layout, self.v_layout, self.block, device, param_dtype, grad_dtype = key
         self.params = params
-        self.rows = ROWS
+        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, NUM_WARPS
         rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
                 for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
         numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
-        span = self.block * self.rows  # elements per program
+        span = self.block * self.iters  # elements per program
         programs = (numels + span - 1) // span
         self.n_programs = int(programs.sum())
         starts = torch.cumsum(programs, 0) - programs
         self.prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs).to(device)
         prog_block = (torch.arange(self.n_programs, dtype=torch.int64) - torch.repeat_interleave(starts, programs))
-        self.prog_block = (prog_block * self.rows).to(torch.int32).to(device)  # first block of each program
+        self.prog_block = (prog_block * self.iters).to(torch.int32).to(device)  # first block of each program
         self.numels = numels.to(device)
-        # One step counter per parameter, advanced by one add_ per launch; state["step"] aliases it.
+        # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it.
         self.steps = torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states])
         for i, s in enumerate(states):
             s["step"] = _alias0d(self.steps, i)
+        self.coefs = torch.empty(len(params), 7, dtype=torch.float32, device=device)  # adam_coefficients' rows
         self.tables = _tables(self.m_layout, device) + _tables(self.v_layout, device)
         from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
@@ -162,19 +163,21 @@ class GroupPlan:
             self.grad_key = key
 
     def launch(self, hyperparams: Tensor, decoupled: bool, maximize: bool) -> None:
-        """One Adam/AdamW step of every parameter of the plan; ``hyperparams`` as in ``adam_coefficients``."""
-        from torchao_optim.kernels.triton_adam import adam_kernel
+        """One Adam/AdamW step of every parameter of the plan; ``hyperparams`` as in ``adam_coefficients``.
+        Two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update."""
+        from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
 
         self.refresh_grads()
-        self.steps.add_(1)
-        coefs = adam_coefficients(self.steps, hyperparams, decoupled).to(torch.float32)  # (n_tensors, 7)
+        n = len(self.params)
+        adam_coefs_kernel[(1,)](self.steps, hyperparams, self.coefs, n, DECOUPLED=decoupled,
+                                N_POW2=max(16, 1 << (n - 1).bit_length()), num_warps=4)
         self.compiled = adam_kernel[(self.n_programs,)](
-            self.ptrs, self.grad_ptrs, self.numels, coefs, self.prog_tensor, self.prog_block, *self.tables,
-            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ROWS=self.rows,
-            DECOUPLED=decoupled, MAXIMIZE=maximize,
+            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
+            PREFETCH=self.prefetch, DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
-            num_warps=NUM_WARPS,
+            num_warps=self.num_warps,
         )
 
 
@@ -182,8 +185,11 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: b
                ) -> Tuple[List[GroupPlan], List[int]]:
     """The plans covering what the fused kernels can update in ``params`` (reused from ``cache`` while the
     same parameters have gradients), and the indexes of the parameters left to the compiled path."""
+    if cache.get("params") is params:  # the optimizer hands back the same list while nothing changed
+        return cache["plans"], cache["rest"]
     key = tuple(id(p) for p in params)
     if cache.get("key") == key:
+        cache["params"] = params
         return cache["plans"], cache["rest"]
     buckets: Dict[tuple, List[int]] = {}
     rest = []
@@ -194,5 +200,5 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: b
         else:
             buckets.setdefault(k, []).append(i)
     plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx]) for k, idx in buckets.items()]
-    cache.update(key=key, plans=plans, rest=rest)
+    cache.update(key=key, params=params, plans=plans, rest=rest)
     return plans, rest
