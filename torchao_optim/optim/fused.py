@@ -127,7 +127,8 @@ class GroupPlan:
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
         self.m_layout, self.v_layout, self.block, device, param_dtype, grad_dtype = key
         self.params = params
-        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, NUM_WARPS
+        # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
+        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
         rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
                 for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
