@@ -28,6 +28,7 @@ def main():
     ap.add_argument("--iters", default="1,4,8,16")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--warps", default="2,4")
+    ap.add_argument("--maxnreg", default="0", help="register caps to try (0: the compiler's choice)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -40,11 +41,12 @@ def main():
         params.append(p)
     floor = floor_bytes(shapes, dtype.itemsize, quantized=True) / copy_bandwidth("cuda") * 1e3
     print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
-    print("| iters | prefetch | warps | step ms | x floor | host ms | regs | spills |\n|---|---|---|---|---|---|---|---|")
-    configs = [(i, bool(int(f)), w) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
-               for w in map(int, args.warps.split(","))]
-    for iters, prefetch, warps in configs:
-        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS = iters, prefetch, warps
+    print("| iters | prefetch | warps | maxnreg | step ms | x floor | host ms | regs | spills |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    configs = [(i, bool(int(f)), w, r) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
+               for w in map(int, args.warps.split(",")) for r in map(int, args.maxnreg.split(","))]
+    for iters, prefetch, warps, maxnreg in configs:
+        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.MAXNREG = iters, prefetch, warps, maxnreg or None
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
         for _ in range(3):
             opt.step()
@@ -59,7 +61,8 @@ def main():
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
+        print(f"| {iters} | {int(prefetch)} | {warps} | {maxnreg or '-'} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} "
+              f"| {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()
 

@@ -12,7 +12,8 @@ pytestmark = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Trito
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
-@pytest.mark.parametrize("hp", [(1e-3, 0.9, 0.999, 1e-8, 1e-2), (0.3, 0.5, 0.95, 1e-3, 0.0), (2e-5, 0.0, 0.9999, 0.0, 0.1)])
+@pytest.mark.parametrize("hp", [(1e-3, 0.9, 0.999, 1e-8, 1e-2), (0.3, 0.5, 0.95, 1e-3, 0.0),
+                                (2e-5, 0.0, 0.9999, 0.0, 0.1)])
 def test_coefficients_kernel_matches_adam_coefficients(decoupled, hp):
     from torchao_optim.kernels.triton_adam import adam_coefs_kernel
 

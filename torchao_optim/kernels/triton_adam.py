@@ -66,17 +66,65 @@ def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_P
 
 
 @triton.jit
-def _load_block(p_base, g_base, mc, ms, vc, vs, blk, numel, local,
-                BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
-                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+def _codes_pointer(address, QUANT: tl.constexpr):
+    """A state's codes (uint8) or plain values (fp32) as a typed pointer."""
+    if QUANT:
+        return address.to(tl.pointer_type(tl.uint8))
+    else:
+        return address.to(tl.pointer_type(tl.float32))
+
+
+@triton.jit
+def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask,
+               BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+               V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """The raw inputs of block ``blk``: param, grad, and each state's codes and scale (or fp32 values)."""
     start = blk * BLOCK
-    mask = local < numel - start
     p = tl.load(p_base + start + local, mask=mask, other=0.0)
     g = tl.load(g_base + start + local, mask=mask, other=0.0)
     m_raw, m_scale = load_codes(mc, ms, start, blk, local, mask, M_QUANT, M_BITS)
     v_raw, v_scale = load_codes(vc, vs, start, blk, local, mask, V_QUANT, V_BITS)
     return p, g, m_raw, m_scale, v_raw, v_scale
+
+
+@triton.jit
+def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
+                 m_values, m_level1, m_level2, v_values, v_level1, v_level2,
+                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+    """Adam's update of one loaded tile, and its stores. ``c``: the tensor's row of coefficients."""
+    p, g, m_raw, m_scale, v_raw, v_scale = tile
+    start = blk * BLOCK
+    step_size, inv_bc2, wd = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2)
+    one_minus_beta1, beta2, one_minus_beta2, eps = tl.load(c + 3), tl.load(c + 4), tl.load(c + 5), tl.load(c + 6)
+    p = p.to(tl.float32)
+    g = g.to(tl.float32)
+    m = load_state(m_raw, m_scale, m_values, M_QUANT)
+    v = load_state(v_raw, v_scale, v_values, V_QUANT)
+
+    if MAXIMIZE:
+        g = -g
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    if DECOUPLED:
+        p_decayed = p * wd
+    else:
+        g = g + wd * p
+        p_decayed = p
+    m_new = m + one_minus_beta1 * (g - m)
+    v_new = v * beta2 + one_minus_beta2 * g * g
+    # an element whose new moment overflows is skipped too (adam_update says why)
+    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    m = tl.where(ok, m_new, m)
+    v = tl.where(ok, v_new, v)
+    # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
+    # the states, which decide the codes, do not depend on them
+    denom = tl.sqrt(v) * inv_bc2 + eps
+    p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
+
+    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=mask)
+    store_state(m, mc, ms, start, blk, local, mask, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
+    store_state(v, vc, vs, start, blk, local, mask, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
 
 
 @triton.jit
@@ -90,7 +138,7 @@ def adam_kernel(
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-    PREFETCH: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -99,54 +147,39 @@ def adam_kernel(
     c = coefs + t * 7
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
-    n_iter = tl.minimum(tl.cdiv(numel - first * BLOCK, BLOCK), ITERS)
+    # the program's tiles: n_full whole blocks, then at most one partial block (a tensor's last)
+    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)
+    has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
     local = tl.arange(0, BLOCK)  # offsets inside the tile: constants per thread
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    step_size, inv_bc2, wd = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2)
-    one_minus_beta1, beta2, one_minus_beta2, eps = tl.load(c + 3), tl.load(c + 4), tl.load(c + 5), tl.load(c + 6)
-
+    mc, vc = _codes_pointer(mc, M_QUANT), _codes_pointer(vc, V_QUANT)
+    if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
+        p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
+        mc, vc = tl.multiple_of(mc, 16), tl.multiple_of(vc, 16)
+    # Whole tiles take a mask that is one predicate for the tile, so their loads and stores stay vectors.
+    everywhere = local < BLOCK
     if PREFETCH:
-        nxt = _load_block(p_base, g_base, mc, ms, vc, vs, first, numel, local,
-                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-    for i in range(0, n_iter):
+        nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, local < tl.where(n_full > 0, BLOCK, 0),
+                         BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+    for i in range(0, n_full):
         blk = first + i
-        start = blk * BLOCK
-        mask = local < numel - start
         if PREFETCH:
-            p, g, m_raw, m_scale, v_raw, v_scale = nxt
-            # past the program's last block every lane is masked: no memory is touched
-            nxt = _load_block(p_base, g_base, mc, ms, vc, vs, blk + 1, tl.where(i + 1 < n_iter, numel, 0), local,
+            tile = nxt
+            more = local < tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
+            nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
+                             BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        else:
+            tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, everywhere,
                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        else:
-            p, g, m_raw, m_scale, v_raw, v_scale = _load_block(p_base, g_base, mc, ms, vc, vs, blk, numel, local,
-                                                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        p = p.to(tl.float32)
-        g = g.to(tl.float32)
-        m = load_state(m_raw, m_scale, m_values, M_QUANT)
-        v = load_state(v_raw, v_scale, v_values, V_QUANT)
-
-        if MAXIMIZE:
-            g = -g
-        finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
-        g = tl.where(finite, g, 0.0)
-        if DECOUPLED:
-            p_decayed = p * wd
-        else:
-            g = g + wd * p
-            p_decayed = p
-        m_new = m + one_minus_beta1 * (g - m)
-        v_new = v * beta2 + one_minus_beta2 * g * g
-        # an element whose new moment overflows is skipped too (adam_update says why)
-        ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
-        m = tl.where(ok, m_new, m)
-        v = tl.where(ok, v_new, v)
-        # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
-        # the states, which decide the codes, do not depend on them
-        denom = tl.sqrt(v) * inv_bc2 + eps
-        p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
-
-        tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=mask)
-        store_state(m, mc, ms, start, blk, local, mask, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
-        store_state(v, vc, vs, start, blk, local, mask, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, everywhere, c,
+                     m_values, m_level1, m_level2, v_values, v_level1, v_level2,
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, M_QUANT, M_BITS, V_QUANT, V_BITS)
+    if has_tail:
+        blk = first + n_full
+        mask = local < numel - blk * BLOCK
+        tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask, BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
+                     m_values, m_level1, m_level2, v_values, v_level1, v_level2,
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, M_QUANT, M_BITS, V_QUANT, V_BITS)

@@ -19,18 +19,20 @@ import triton.language as tl
 def encode(y, level1, level2):
     """Codes (int32) of ``y`` (fp32 in [-1, 1], no NaN): torchao_optim.quant.codec.encode, in Triton.
 
+    ``level1`` is ``BucketTables.level1_by_bits()`` (indexed by the sign and exponent bits as they are) and
     ``level2`` is ``BucketTables.level2_with_bounds()``: the candidate and where in the bucket the code
-    switches, in one 4-byte load; the switch is decided on the low bits of ``|y|``.
+    switches, in one 4-byte load. The switch is decided on the low mantissa bits, which are those of
+    ``|y|``: the code is ``candidate + 1`` when they reach the switch point for ``y >= 0``, and when they
+    do not for ``y < 0``, that is ``candidate + ((low >= low_plus) xor (y < 0))``.
     """
-    neg = y < 0
-    mag = tl.abs(y).to(tl.int32, bitcast=True)
-    entry = tl.load(level1 + (mag >> 23) + tl.where(neg, 128, 0))
+    bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
+    top = (bits >> 23) & 511  # sign and exponent
+    entry = tl.load(level1 + top)
     shift = entry & 31
-    packed = tl.load(level2 + (entry >> 5) + ((mag & 0x7FFFFF) >> shift))
-    low = mag & ((1 << shift) - 1)
-    low_plus = (packed >> 8) & 0xFFFFFF
-    up = tl.where(neg, low < low_plus, low >= low_plus)
-    return (packed & 255) + up.to(tl.int32)
+    packed = tl.load(level2 + (entry >> 5) + ((bits & 0x7FFFFF) >> shift))
+    low = bits & ((1 << shift) - 1)
+    up = (low >= ((packed >> 8) & 0xFFFFFF)).to(tl.int32) ^ (top >> 8)
+    return (packed & 255) + up
 
 
 @triton.jit
@@ -71,7 +73,9 @@ def store_state(x, codes, scales, start, blk, local, mask, level1, level2,
         absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
         inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
         y = x * inv
-        code = encode(tl.minimum(tl.maximum(y, -1.0), 1.0), level1, level2)
+        # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
+        # top code: no clamp needed
+        code = encode(y, level1, level2)
         if BITS == 8:
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local, code.to(tl.uint8), mask=mask)
         else:
@@ -102,7 +106,7 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False):
     from torchao_optim.quant import bucket_tables
 
     tables = bucket_tables(tuple(codebook), never_zero)
-    level1, level2 = tables.level1.to(y.device), tables.level2_with_bounds().to(y.device)
+    level1, level2 = tables.level1_by_bits().to(y.device), tables.level2_with_bounds().to(y.device)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block)

@@ -29,6 +29,7 @@ __all__ = ["fused_available", "GroupPlan", "plan_group"]
 ITERS = 8  # quantization blocks per program, walked one register tile at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
 NUM_WARPS = 1  # one warp per 256-element block: its absmax is a warp reduction, no shared memory
+MAXNREG = None  # a register cap per thread for the update kernel (None: the compiler's choice)
 FP32_BLOCK = 256  # elements per tile when neither state is quantized
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
 
@@ -108,12 +109,14 @@ def _tables(layout, device) -> Tuple[Tensor, ...]:
         placeholder = _placeholder(device)
         return (placeholder,) * 3
     t = bucket_tables(layout.codebook, layout.never_zero, device)
-    return codebook_tensor(layout.codebook, t.bounds), t.level1, _level2_with_bounds(layout, device)
+    return (codebook_tensor(layout.codebook, t.bounds),) + _kernel_tables(layout, device)
 
 
 @functools.lru_cache(maxsize=None)
-def _level2_with_bounds(layout, device) -> Tensor:
-    return bucket_tables(layout.codebook, layout.never_zero).level2_with_bounds().to(device)
+def _kernel_tables(layout, device) -> Tuple[Tensor, Tensor]:
+    """The encoder's tables in the kernels' form (codec.BucketTables.level1_by_bits, level2_with_bounds)."""
+    t = bucket_tables(layout.codebook, layout.never_zero)
+    return t.level1_by_bits().to(device), t.level2_with_bounds().to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +135,9 @@ class GroupPlan:
         rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
                 for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
+        # params and codes at 16-byte boundaries (fresh allocations are): the kernel's loads become vectors
+        self.aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[3] % 16 == 0 for r in rows)
+        self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
         numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
@@ -162,6 +168,7 @@ class GroupPlan:
                 host = host.pin_memory()
             self.grad_ptrs.copy_(host, non_blocking=True)
             self.grad_key = key
+            self.grads_aligned = all(k % 16 == 0 for k in key)
 
     def launch(self, hyperparams: Tensor, decoupled: bool, maximize: bool) -> None:
         """One Adam/AdamW step of every parameter of the plan; ``hyperparams`` as in ``adam_coefficients``.
@@ -175,10 +182,10 @@ class GroupPlan:
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
-            PREFETCH=self.prefetch, DECOUPLED=decoupled, MAXIMIZE=maximize,
+            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
-            num_warps=self.num_warps,
+            num_warps=self.num_warps, **({"maxnreg": MAXNREG} if MAXNREG else {}),
         )
 
 

@@ -77,6 +77,17 @@ class BucketTables:
     level2: torch.Tensor
     bounds: torch.Tensor
 
+    def level1_by_bits(self) -> torch.Tensor:
+        """``level1`` indexed by the top 9 bits of ``y``'s fp32 pattern (sign and exponent, ``bits >> 23`` as
+        unsigned): int32 (512,). The fused kernel reads this, saving the sign arithmetic of the index; entries
+        for exponents above 127 (``|y| >= 2``, which never occurs) repeat exponent 127's."""
+        out = torch.empty(512, dtype=torch.int32)
+        for negative in (0, 1):
+            by_exponent = self.level1[128 * negative : 128 * negative + 128]
+            out[256 * negative : 256 * negative + 128] = by_exponent
+            out[256 * negative + 128 : 256 * negative + 256] = by_exponent[127]
+        return out
+
     def level2_with_bounds(self) -> torch.Tensor:
         """int32 per bucket: ``(low_plus << 8) | candidate``, where the code is ``candidate + 1`` for ``y >= 0``
         when the low ``shift`` bits of ``|y|`` are ``>= low_plus``, for ``y < 0`` when they are ``< low_plus``
