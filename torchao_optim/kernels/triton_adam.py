@@ -91,7 +91,7 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask,
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+                 FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``c``: the tensor's row of coefficients."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
@@ -118,9 +118,16 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
     m = tl.where(ok, m_new, m)
     v = tl.where(ok, v_new, v)
     # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
-    # the states, which decide the codes, do not depend on them
+    # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
+    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19), the range where PTX's div.approx (two
+    # ulps) needs none of the rescaling tl.fdiv's div.full adds; Triton's interpreter runs no PTX.
     denom = tl.sqrt(v) * inv_bc2 + eps
-    p = tl.where(ok, p_decayed - step_size * tl.fdiv(m, denom), p)
+    if FAST_DIV:
+        ratio = tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [m, denom], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+    else:
+        ratio = tl.fdiv(m, denom)
+    p = tl.where(ok, p_decayed - step_size * ratio, p)
 
     tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=mask)
     store_state(m, mc, ms, start, blk, local, mask, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
@@ -139,7 +146,7 @@ def adam_kernel(
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
+    FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -175,11 +182,11 @@ def adam_kernel(
                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, everywhere, c,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
         mask = local < numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask, BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)
