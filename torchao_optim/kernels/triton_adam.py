@@ -75,20 +75,21 @@ def _codes_pointer(address, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask,
+def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
                BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
-    """The raw inputs of block ``blk``: param, grad, and each state's codes and scale (or fp32 values)."""
+    """The raw inputs of block ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
+    and scale (or fp32 values)."""
     start = blk * BLOCK
-    p = tl.load(p_base + start + local, mask=mask, other=0.0)
-    g = tl.load(g_base + start + local, mask=mask, other=0.0)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, mask, M_QUANT, M_BITS)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, mask, V_QUANT, V_BITS)
+    p = tl.load(p_base + start + local, mask=local < n_valid, other=0.0)
+    g = tl.load(g_base + start + local, mask=local < n_valid, other=0.0)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK)
     return p, g, m_raw, m_scale, v_raw, v_scale
 
 
 @triton.jit
-def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
+def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
@@ -129,9 +130,9 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
-    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=mask)
-    store_state(m, mc, ms, start, blk, local, mask, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
-    store_state(v, vc, vs, start, blk, local, mask, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
+    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=local < n_valid)
+    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
+    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
 
 
 @triton.jit
@@ -165,28 +166,29 @@ def adam_kernel(
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
         mc, vc = tl.multiple_of(mc, 16), tl.multiple_of(vc, 16)
-    # Whole tiles take a mask that is one predicate for the tile, so their loads and stores stay vectors.
-    everywhere = local < BLOCK
+    # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
+    # stay vectors.
     if PREFETCH:
-        nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, local < tl.where(n_full > 0, BLOCK, 0),
+        nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
             tile = nxt
-            more = local < tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
+            more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
                              BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         else:
-            tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, everywhere,
+            tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, everywhere, c,
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, c,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
-        mask = local < numel - blk * BLOCK
-        tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, mask, BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, mask, c,
+        n_valid = numel - blk * BLOCK
+        tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
+                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)

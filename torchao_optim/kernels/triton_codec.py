@@ -36,22 +36,27 @@ def encode(y, level1, level2):
 
 
 @triton.jit
-def load_codes(codes, scales, start, blk, local, mask, QUANT: tl.constexpr, BITS: tl.constexpr):
+def load_codes(codes, scales, start, blk, local, n_valid,
+               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """The raw contents of one state on the tile: ``local`` (BLOCK,) offsets from element ``start``, which
-    opens block ``blk``. Returns (codes as int32, the block's scale), or (fp32 values, 0.0) for a plain
-    state. ``codes``/``scales`` are the raw addresses from the pointer table. Loading is split from
-    decoding (:func:`load_state`) so a kernel can issue the next tile's loads before it computes this one."""
+    opens block ``blk``, of which the first ``n_valid`` exist. Returns (codes as int32, the block's scale),
+    or (fp32 values, 0.0) for a plain state. ``codes``/``scales`` are the addresses from the pointer table.
+    Loading is split from decoding (:func:`load_state`) so a kernel can issue the next tile's loads before it
+    computes this one. Masks are ``offset < n_valid``: when ``n_valid`` is the whole tile or nothing, they
+    are one predicate for the tile and the loads stay vectors."""
     if QUANT:
         if BITS == 8:
-            code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=mask, other=0).to(tl.int32)
+            code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid,
+                           other=0).to(tl.int32)
         else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
-            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + local // 2, mask=mask, other=0)
-            code = (byte.to(tl.int32) >> ((local & 1) * 4)) & 15
-        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=tl.max(mask.to(tl.int32), 0) > 0,
-                        other=0.0)
+            half = tl.arange(0, BLOCK // 2)
+            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid,
+                           other=0).to(tl.int32)
+            code = tl.interleave(byte & 15, byte >> 4)
+        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         return code, scale
     else:
-        return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=mask, other=0.0), 0.0
+        return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=local < n_valid, other=0.0), 0.0
 
 
 @triton.jit
@@ -64,11 +69,13 @@ def load_state(raw, scale, values, QUANT: tl.constexpr):
 
 
 @triton.jit
-def store_state(x, codes, scales, start, blk, local, mask, level1, level2,
+def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
                 QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Write ``x`` (BLOCK fp32: quantization block ``blk``, from element ``start``) back: the block's absmax
-    and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is finite: the update never produces
-    a non-finite state (it skips such elements), so the compiled path's finiteness masks change nothing here."""
+    """Write ``x`` (BLOCK fp32: quantization block ``blk`` from element ``start``; the first ``n_valid``
+    exist) back: the block's absmax and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is
+    finite: the update never produces a non-finite state (it skips such elements), so the compiled path's
+    finiteness masks change nothing here."""
+    mask = local < n_valid
     if QUANT:
         absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
         inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
@@ -81,10 +88,9 @@ def store_state(x, codes, scales, start, blk, local, mask, level1, level2,
         else:
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
-            byte_local = tl.arange(0, BLOCK // 2)
-            byte_mask = tl.max(tl.reshape(mask.to(tl.int32), (BLOCK // 2, 2)), axis=1) > 0
-            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + byte_local, (lo | (hi << 4)).to(tl.uint8),
-                     mask=byte_mask)
+            half = tl.arange(0, BLOCK // 2)
+            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
+                     mask=2 * half < n_valid)
         tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)
