@@ -81,8 +81,9 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
     """The raw inputs of block ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scale (or fp32 values)."""
     start = blk * BLOCK
-    p = tl.load(p_base + start + local, mask=local < n_valid, other=0.0)
-    g = tl.load(g_base + start + local, mask=local < n_valid, other=0.0)
+    valid = local < n_valid
+    p = tl.load(p_base + start + local, mask=valid, other=0.0)
+    g = tl.load(g_base + start + local, mask=valid, other=0.0)
     m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK)
     v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK)
     return p, g, m_raw, m_scale, v_raw, v_scale
@@ -92,7 +93,8 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+                 FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``c``: the tensor's row of coefficients."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
@@ -147,7 +149,8 @@ def adam_kernel(
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
+    FAST_DIV: tl.constexpr,
+    M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)

@@ -182,8 +182,8 @@ class GroupPlan:
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
-            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, DECOUPLED=decoupled, MAXIMIZE=maximize,
-            FAST_DIV=not _interpreter(),
+            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, FAST_DIV=not _interpreter(),
+            DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
             num_warps=self.num_warps, **({"maxnreg": MAXNREG} if MAXNREG else {}),
