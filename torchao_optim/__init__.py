@@ -1,5 +1,6 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
 from torchao_optim.optim import Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, dequantize_state_dict
+from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.quant import create_dynamic_map
 from torchao_optim.state import (
     DTQ8bitTensor,
@@ -18,6 +19,8 @@ __all__ = [
     "AdamW",
     "AdamW8bit",
     "dequantize_state_dict",
+    "quantize_optimizer_state",
+    "UNSIGNED_STATE_KEYS",
     "DTQ8bitTensor",
     "QuantizedState",
     "create_dynamic_map",

@@ -135,6 +135,8 @@ class Adam(torch.optim.Optimizer):
         decoupled_weight_decay (bool, optional): AdamW's weight decay. Default: ``False``.
     """
 
+    _quantized_state_native = True  # quantize_optimizer_state refuses it: choose the format with state_format=
+
     def __init__(
         self,
         params,
