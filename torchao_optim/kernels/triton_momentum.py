@@ -1,0 +1,103 @@
+"""The multi-tensor one-state kernel on CUDA: SGD with momentum and Lion, one launch per plan.
+
+The twin of :mod:`torchao_optim.kernels.triton_adam` for rules that carry one state (SGD's momentum buffer,
+Lion's ``exp_avg``): a plan's tensors share a device, param and grad dtypes and the state's layout; the kernel
+takes a table of pointers (param, the state's codes or fp32 values, its scales: one row per tensor) and a map
+from program to (tensor, first block); each program holds ``ROWS`` quantization blocks in registers and reads
+and writes everything once. Reading and writing the state is ``triton_codec``'s, so the kernel knows no format.
+
+The arithmetic is :func:`~torchao_optim.optim.update.sgd_update`'s (``RULE = 0``) or
+:func:`~torchao_optim.optim.update.lion_update`'s (``RULE = 1``), with the coefficient rows of
+``sgd_coefficients``/``lion_coefficients`` read from a device table (a tensor lr needs no host sync). This
+module imports Triton; import it only where Triton is available.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchao_optim.kernels.triton_adam import TRITON_DTYPES  # noqa: F401  (one table of dtypes for every kernel)
+from torchao_optim.kernels.triton_codec import load_state, store_state
+
+RULES = {"sgd": 0, "lion": 1}
+NUM_WARPS = 2
+
+
+@triton.jit
+def momentum_kernel(
+    ptrs,  # int64 (n_tensors, 3): param, the state's codes (or fp32 values), its absmax
+    grad_ptrs,  # int64 (n_tensors,)
+    numels,  # int64 (n_tensors,)
+    coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
+    prog_tensor,  # int32 (n_programs,): which tensor each program updates
+    prog_block,  # int32 (n_programs,): its first block; a program updates ROWS consecutive blocks
+    s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level2 with bounds)
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    row = ptrs + t * 3
+    c = coefs + t * 4
+    numel = tl.load(numels + t)
+    first_block = tl.load(prog_block + pid).to(tl.int64)
+    start = first_block * BLOCK
+    local = tl.arange(0, ROWS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (ROWS, BLOCK)
+    mask = local < numel - start
+    row_mask = tl.arange(0, ROWS) * BLOCK < numel - start
+    p_ptr = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE)) + start
+    g_ptr = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + start
+    sc, ss = tl.load(row + 1), tl.load(row + 2)
+
+    p = tl.load(p_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + local, mask=mask, other=0.0).to(tl.float32)
+    s = load_state(sc, ss, start, first_block, local, mask, row_mask, s_values, S_QUANT, S_BITS, ROWS)
+    c0, c1, c2, c3 = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3)
+
+    if MAXIMIZE:
+        g = -g
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    if RULE == 0:  # SGD: lr, weight_decay, momentum, grad_coef
+        g = g + c1 * p
+        s_new = s * c2 + c3 * g
+        ok = finite & (tl.abs(s_new) < float("inf"))
+        s = tl.where(ok, s_new, s)
+        if NESTEROV:
+            d = g + c2 * s
+        else:
+            d = s
+        p = tl.where(ok, p - c0 * d, p)
+    else:  # Lion: lr, 1 - lr * weight_decay, 1 - beta1, 1 - beta2
+        interp = s + c2 * (g - s)
+        s_new = s + c3 * (g - s)
+        ok = finite & (tl.abs(s_new) < float("inf")) & (tl.abs(interp) < float("inf"))
+        s = tl.where(ok, s_new, s)
+        sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
+        p = tl.where(ok, p * c1 - c0 * sign, p)
+
+    tl.store(p_ptr + local, p.to(PARAM_DTYPE), mask=mask)
+    store_state(s, sc, ss, start, first_block, local, mask, row_mask, s_level1, s_level2,
+                S_QUANT, S_BITS, ROWS, BLOCK)
+
+
+def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False) -> None:
+    """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
+    rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
+    from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
+
+    plan.refresh_grads()
+    plan.steps.add_(1)
+    rule = plan.rule.name
+    coefficients = sgd_coefficients if rule == "sgd" else lion_coefficients
+    coefs = coefficients(plan.steps, hyperparams).to(torch.float32).contiguous()  # (n_tensors, 4)
+    layout = plan.layouts[0]
+    plan.compiled = momentum_kernel[(plan.n_programs,)](
+        plan.ptrs, plan.grad_ptrs, plan.numels, coefs, plan.prog_tensor, plan.prog_block, *plan.tables,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, ROWS=plan.rows,
+        RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize,
+        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),
+        num_warps=NUM_WARPS,
+    )
