@@ -162,7 +162,23 @@ def test_refuses_twice_unknown_format_and_our_optimizers():
         quantize_optimizer_state(torch.optim.AdamW(params()), format="int3")
     with pytest.raises(ValueError, match="state_format="):
         quantize_optimizer_state(torchao_optim.AdamW(params()))
+    with pytest.raises(ValueError, match="LBFGS"):
+        quantize_optimizer_state(torch.optim.LBFGS(params()))
     assert isinstance(opt, torch.optim.AdamW) and type(opt).__name__ == "AdamW"
+
+
+def test_group_storage_options_are_honoured():
+    """A group's own state_format, min_quant_size and block_size (as overrides() produces them) win."""
+    a, b, c = params()
+    opt = quantize_optimizer_state(torch.optim.AdamW([{"params": [a], "state_format": "none"},
+                                                      {"params": [b], "block_size": 128},
+                                                      {"params": [c], "min_quant_size": 10}]))
+    train(opt, [a, b, c], 1)
+    assert type(opt.state[a]["exp_avg"]) is torch.Tensor
+    assert opt.state[b]["exp_avg"].block_size == 128
+    assert type(opt.state[c]["exp_avg_sq"]) is DTQ8bitTensor and not opt.state[c]["exp_avg_sq"].signed
+    with pytest.raises(ValueError, match="param group 3: unknown state format .int3."):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "state_format": "int3"})
 
 
 def test_converts_existing_state_and_adagrad_initial_state():

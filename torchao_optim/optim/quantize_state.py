@@ -74,6 +74,9 @@ def quantize_optimizer_state(
     if getattr(optimizer, "_quantized_state_native", False):
         raise ValueError(f"{type(optimizer).__name__} is one of torchao_optim's optimizers: its state is "
                          f"quantized already (choose it with state_format=)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("quantize_optimizer_state cannot run LBFGS: its step re-evaluates the closure over all "
+                         "parameters at once, and its state is a history of flat vectors, not per-parameter tensors")
     fmt = get_state_format(format)  # ValueError naming the registered formats
     if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
@@ -99,6 +102,11 @@ def quantize_optimizer_state(
 
 def _check_group(optimizer, group: Dict[str, Any], index: int) -> None:
     name = type(optimizer).__name__
+    if group.get("state_format", "none") != "none":
+        try:
+            get_state_format(group["state_format"])
+        except ValueError as err:
+            raise ValueError(f"param group {index}: {err}") from None
     if group.get("fused"):
         raise ValueError(f"param group {index}: quantize_optimizer_state cannot run {name}(fused=True): its fused "
                          f"kernel keeps fp32 state. Use {name}(..., foreach=True) (quantized state, one fp32 chunk "
@@ -182,7 +190,7 @@ class _QuantizedStep:
                     try:
                         raw(self)
                     finally:
-                        self._requantize(chunk, held)
+                        self._requantize(group, chunk, held)
                 group["params"] = []
         finally:
             for g, params in zip(groups, all_params):
@@ -200,7 +208,7 @@ class _QuantizedStep:
                     state[key] = value.dequantize(value.dtype)  # the dtype the step saw before
         return held
 
-    def _requantize(self, params: List[Tensor], held: Dict[tuple, QuantizedState]) -> None:
+    def _requantize(self, group, params: List[Tensor], held: Dict[tuple, QuantizedState]) -> None:
         """Write the fp32 states of ``params`` back: into the quantized tensor each came from (one rounding), or,
         for a state the step just created, into a new one."""
         for p in params:
@@ -210,7 +218,7 @@ class _QuantizedStep:
                 if q is not None:
                     state[key] = q.copy_(value) if value is not q else q
                 else:
-                    _quantize_one(self, p, state, key)
+                    _quantize_one(self, group, p, state, key)
 
 
 def _rebuild(base: type, state: Dict[str, Any]):
@@ -238,16 +246,24 @@ def _chunks(params: List[Tensor], limit: int) -> List[List[Tensor]]:
     return out
 
 
-def _quantize_one(optimizer, p: Tensor, state: Dict[str, Any], key: str) -> None:
+def _storage(optimizer, group) -> tuple:
+    """(format name, min_quant_size, block_size) for ``group``: its own ``state_format``, ``min_quant_size`` and
+    ``block_size`` where it has them (:func:`torchao_optim.overrides` groups), else the conversion's."""
+    opts = optimizer._quantized_state
+    return (group.get("state_format", opts["format"]), group.get("min_quant_size", opts["min_quant_size"]),
+            group.get("block_size", opts["block_size"]))
+
+
+def _quantize_one(optimizer, group, p: Tensor, state: Dict[str, Any], key: str) -> None:
     """Quantize ``state[key]`` in place of the plain tensor if it is one this optimizer stores quantized."""
     value = state[key]
-    opts = optimizer._quantized_state
-    if (type(value) is not Tensor or not value.is_floating_point() or value.shape != p.shape
-            or value.numel() < max(opts["min_quant_size"], 1) or value.dtype == torch.float64):
+    format_name, min_quant_size, block_size = _storage(optimizer, group)
+    if (type(value) is not Tensor or not value.is_floating_point() or value.shape != p.shape or format_name == "none"
+            or value.numel() < max(min_quant_size, 1) or value.dtype == torch.float64):
         return
-    fmt = get_state_format(opts["format"])
+    fmt = get_state_format(format_name)
     signed = key not in UNSIGNED_STATE_KEYS
-    attrs = fmt._attrs(signed=signed, block_size=opts["block_size"])
+    attrs = fmt._attrs(signed=signed, block_size=block_size)
     try:
         fmt.check_attrs(p.shape, **attrs)
     except ValueError:
@@ -265,4 +281,4 @@ def _quantize_all(optimizer) -> None:
         for p in group["params"]:
             state = optimizer.state.get(p)
             for key in list(state or {}):
-                _quantize_one(optimizer, p, state, key)
+                _quantize_one(optimizer, group, p, state, key)
