@@ -75,7 +75,7 @@ def main(argv=None):
     ap.add_argument("--format", default="dtq8")
     args = ap.parse_args(argv)
     print(f"|p - p_ref| after {args.steps} steps, shapes {SHAPES}, format {args.format} (max / mean)")
-    print(f"| optimizer | quantize_optimizer_state | foreach=True | per-op requantization | AdamW8bit |")
+    print("| optimizer | quantize_optimizer_state | foreach=True | per-op requantization | AdamW8bit |")
     print("|---|---|---|---|---|")
     for name, make in OPTIMIZERS.items():
         ps = params()

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-import torchao_optim
 from torchao_optim import AdamW, AdamW8bit, Lion8bit, Muon8bit, SGD8bit
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.muon import newton_schulz

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torchao_optim.kernels.triton_adam import TRITON_DTYPES  # noqa: F401  (one table of dtypes for every kernel)
 from torchao_optim.kernels.triton_codec import load_state, store_state
 
 RULES = {"sgd": 0, "lion": 1}

@@ -5,9 +5,9 @@ and nothing else about its format: any format that describes itself that way is 
 written after the kernels. Parameters are bucketed into plans by (the update rule and the layouts of the one
 or two states it carries, device, param dtype, grad dtype); a :class:`GroupPlan` holds the device tables one
 launch reads (pointers, sizes, the program -> (tensor, block) map, the encoder tables) and the plan's step
-counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set of parameters with gradients changes.
-Gradients move (``zero_grad(set_to_none=True)`` frees them), so their addresses are a table of their own,
-refreshed with one non-blocking copy from pinned memory when one moved.
+counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set of
+parameters with gradients changes. Gradients move (``zero_grad(set_to_none=True)`` frees them), so their
+addresses are a table of their own, refreshed with one non-blocking copy from pinned memory when one moved.
 
 Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
 Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
@@ -99,7 +99,7 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
 
     if p.dtype not in TRITON_DTYPES or p.grad.dtype not in TRITON_DTYPES:
         return None
-    layouts = tuple(_state_layout(state.get(k)) if k in state else None for k in rule.state_keys)
+    layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
     if any(x is None for x in layouts):
         return None
     blocks = {x.block_size for x in layouts if x != "fp32"}

@@ -5,5 +5,6 @@ from torchao_optim.testing.optimizer_case import OptimizerConformanceCase
 from torchao_optim.testing.rule_case import RULES, ReferenceLion, RuleConformanceCase
 
 __all__ = [
-    "StateFormatTestCase", "OptimizerConformanceCase", "RuleConformanceCase", "ReferenceLion", "RULES", "assert_same_tensor", "requires_cuda", "save_load",
+    "StateFormatTestCase", "OptimizerConformanceCase", "RuleConformanceCase", "ReferenceLion", "RULES",
+    "assert_same_tensor", "requires_cuda", "save_load",
 ]
