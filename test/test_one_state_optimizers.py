@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+import torchao_optim
 from torchao_optim import AdamW, AdamW8bit, Lion8bit, Muon8bit, SGD8bit
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.muon import newton_schulz
@@ -156,3 +157,38 @@ def test_capturable_step_replays_in_a_cuda_graph(name):
     torch.cuda.synchronize()
     for p, q in zip(a, b):
         assert torch.equal(p, q)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["SGD8bit", "Lion8bit"])
+def test_fused_matches_compiled_path_on_cuda(name, dtype):
+    """The one-state kernel against the compiled path, 20 steps. They round differently (FMA), so a state value
+    within rounding of a midpoint between two codes may take either code (test_cuda.py's bound for Adam: under
+    2% of the codes differ), and a Lion direction within rounding of 0 may take either sign; a wrong kernel
+    differs almost everywhere. Parameters: mean difference under 2% of how far they moved."""
+    make, steps = OURS[name], 20
+    shapes = ((256, 64), (1000, 7), (300,), (5000,))
+    a = [torch.nn.Parameter(p.detach().to("cuda", dtype)) for p in params(*shapes)]
+    b = [torch.nn.Parameter(p.detach().to("cuda", dtype)) for p in params(*shapes)]
+    start = [p.detach().float().clone() for p in a]
+    oa, ob = make(a, fused=True, min_quant_size=256), make(b, fused=False, min_quant_size=256)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=gen).to("cuda", dtype)
+            q.grad = p.grad.clone()
+        oa.step()
+        ob.step()
+    plans = oa._plans[id(oa.param_groups[0])]
+    assert plans["rest"] == [] and sum(len(plan.params) for plan in plans["plans"]) == len(a)
+    key = "momentum_buffer" if name == "SGD8bit" else "exp_avg"
+    for p, q, s in zip(a, b, start):
+        moved = (q.float() - s).abs().mean().item()
+        assert (p.float() - q.float()).abs().mean().item() <= 0.02 * moved
+        sa, sb = oa.state[p][key], ob.state[q][key]
+        assert type(sa) is type(sb) and float(oa.state[p]["step"]) == steps
+        if isinstance(sa, torchao_optim.DTQ8bitTensor):
+            assert (sa.codes != sb.codes).float().mean().item() < 0.02
+        else:
+            torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-6)
