@@ -10,7 +10,7 @@ from torchao_optim.optim.muon import newton_schulz
 OURS = {
     "AdamW": lambda ps, **kw: AdamW(ps, **kw),
     "AdamW8bit": lambda ps, **kw: AdamW8bit(ps, **kw),
-    "SGD8bit": lambda ps, **kw: SGD8bit(ps, lr=0.1, momentum=0.9, **kw),
+    "SGD8bit": lambda ps, **kw: SGD8bit(ps, **{"lr": 0.1, "momentum": 0.9, **kw}),
     "Lion8bit": lambda ps, **kw: Lion8bit(ps, **kw),
     "Muon8bit": lambda ps, **kw: Muon8bit(ps, **kw),
 }
