@@ -12,7 +12,10 @@ Optimizers (``--optims``, comma separated):
 - ``AdamW8bit``: ``torchao_optim.AdamW8bit``;
 - ``AdamW-<format>``: ``torchao_optim.AdamW(..., state_format=<format>)``, for every registered format
   (``torchao_optim.list_state_formats()``) and ``none`` (fp32 state through our update);
-- ``bnb``: ``bitsandbytes.optim.AdamW8bit``; ``torchao``: ``torchao.optim.AdamW8bit`` (if installed).
+- ``bnb``: ``bitsandbytes.optim.AdamW8bit``; ``torchao``: ``torchao.optim.AdamW8bit`` (if installed);
+- ``SGD``/``SGD8bit``/``SGD-qos``, ``Lion``/``Lion8bit``, ``Muon``/``Muon8bit``, ``AdamW-qos``, ``bnb-SGD8bit``,
+  ``bnb-Lion8bit``: the other optimizers against their fp32 forms (``-qos``: a stock optimizer through
+  ``quantize_optimizer_state``); see ``_other_rules``.
 
 The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format not already
 covered by ``AdamW8bit``, over seeds 0 and 1, with the ``small`` model: a few minutes on a 2-core CPU.
@@ -116,7 +119,43 @@ def optimizer_factories() -> Dict[str, OptimizerFactory]:
         factories[f"AdamW-{fmt}"] = _ours(fmt)
     factories["bnb"] = _peer("bitsandbytes.optim", "bitsandbytes")
     factories["torchao"] = _peer("torchao.optim", "torchao")
+    factories.update(_other_rules())
     return factories
+
+
+def _scaled(optimizer, scale: float):
+    optimizer.lr_scale = scale  # set_lr multiplies the schedule's AdamW lr by it
+    return optimizer
+
+
+def _other_rules() -> Dict[str, OptimizerFactory]:
+    """The one-state optimizers, each against its full-precision form (not in the default list: compare each with
+    its fp32 row, not AdamW's). SGD's lr is 50x AdamW's, Lion's a third (the Lion paper's advice); Muon matches
+    AdamW's update size (``adjust_lr_fn="match_rms_adamw"``); ``-qos``: ``quantize_optimizer_state``."""
+    o = torchao_optim
+    f: Dict[str, OptimizerFactory] = {
+        "SGD": lambda g, lr, betas, eps: _scaled(torch.optim.SGD(g, lr=lr * 50, momentum=0.9), 50),
+        "SGD8bit": lambda g, lr, betas, eps: _scaled(o.SGD8bit(g, lr=lr * 50, momentum=0.9), 50),
+        "SGD-qos": lambda g, lr, betas, eps: _scaled(o.quantize_optimizer_state(
+            torch.optim.SGD(g, lr=lr * 50, momentum=0.9, foreach=True)), 50),
+        "AdamW-qos": lambda g, lr, betas, eps: o.quantize_optimizer_state(
+            torch.optim.AdamW(g, lr=lr, betas=betas, eps=eps, foreach=True)),
+        "Lion": lambda g, lr, betas, eps: _scaled(o.Lion8bit(g, lr=lr / 3, state_format="none"), 1 / 3),
+        "Lion8bit": lambda g, lr, betas, eps: _scaled(o.Lion8bit(g, lr=lr / 3), 1 / 3),
+        "Muon": lambda g, lr, betas, eps: o.Muon8bit(g, lr=lr, adjust_lr_fn="match_rms_adamw", state_format="none"),
+        "Muon8bit": lambda g, lr, betas, eps: o.Muon8bit(g, lr=lr, adjust_lr_fn="match_rms_adamw"),
+    }
+    for name, scale in (("SGD8bit", 50), ("Lion8bit", 1 / 3)):
+        def make(g, lr, betas, eps, name=name, scale=scale):
+            import importlib
+
+            cls = getattr(importlib.import_module("bitsandbytes.optim"), name)
+            kw = dict(momentum=0.9) if name == "SGD8bit" else {}
+            return _scaled(cls(g, lr=lr * scale, **kw), scale)
+
+        make.requires = ("bitsandbytes", "bitsandbytes")
+        f[f"bnb-{name}"] = make
+    return f
 
 
 def default_optims() -> List[str]:
@@ -128,6 +167,7 @@ def default_optims() -> List[str]:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Assign the step's learning rate, a Python float, to every group. (torchao's optimizers keep ``lr``
     as a tensor and reject a float, so theirs is filled in place.)"""
+    lr = lr * getattr(optimizer, "lr_scale", 1.0)
     for group in optimizer.param_groups:
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)

@@ -81,10 +81,19 @@ def optimizer_factories(device: str) -> Dict[str, Callable]:
         if device == "cuda":
             f[f"ours_{fmt}_compiled"] = (lambda fmt: lambda ps: torchao_optim.AdamW(ps, state_format=fmt,
                                                                                      fused=False))(fmt)
+    # the one-state optimizers against their full-precision forms ("x floor" is against Adam's two-state floor)
+    f["torch_sgd_foreach"] = lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
+    f["ours_sgd8bit"] = lambda ps: torchao_optim.SGD8bit(ps, lr=1e-3, momentum=0.9)
+    f["ours_lion_fp32"] = lambda ps: torchao_optim.Lion8bit(ps, state_format="none")
+    f["ours_lion8bit"] = lambda ps: torchao_optim.Lion8bit(ps)
+    f["torch_foreach_quantized"] = lambda ps: torchao_optim.quantize_optimizer_state(
+        torch.optim.AdamW(ps, foreach=True))
     try:
         import bitsandbytes as bnb
 
         f["bnb_8bit"] = lambda ps: bnb.optim.AdamW8bit(ps)
+        f["bnb_sgd8bit"] = lambda ps: bnb.optim.SGD8bit(ps, lr=1e-3, momentum=0.9)
+        f["bnb_lion8bit"] = lambda ps: bnb.optim.Lion8bit(ps)
     except Exception as err:  # ImportError, or a broken native library
         print(f"[skip] bitsandbytes: {type(err).__name__}: {err}".splitlines()[0])
     try:

@@ -1,5 +1,9 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
-from torchao_optim.optim import Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, dequantize_state_dict
+from torchao_optim.optim import (
+    SGD8bit, Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, Lion8bit, Muon8bit, dequantize_state_dict,
+)
+from torchao_optim.optim.overrides import overrides
+from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.quant import create_dynamic_map
 from torchao_optim.state import (
     DTQ8bitTensor,
@@ -17,7 +21,13 @@ __all__ = [
     "AdamDTQ8bit",
     "AdamW",
     "AdamW8bit",
+    "Lion8bit",
+    "Muon8bit",
+    "SGD8bit",
     "dequantize_state_dict",
+    "quantize_optimizer_state",
+    "overrides",
+    "UNSIGNED_STATE_KEYS",
     "DTQ8bitTensor",
     "QuantizedState",
     "create_dynamic_map",

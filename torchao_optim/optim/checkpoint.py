@@ -1,6 +1,6 @@
 """Loading an optimizer checkpoint: check all of it, convert it, and only then let the optimizer take it.
 
-:func:`checked_state` reads a ``state_dict`` (ours, or ``torch.optim.Adam``/``AdamW``'s) against what the
+:func:`checked_state` reads a ``state_dict`` (ours, or the matching ``torch.optim`` optimizer's) against what the
 optimizer would create for each of its parameters and returns the new param groups and state, without
 touching the optimizer. Anything inconsistent raises one ``ValueError`` that names the parameter (its
 index over all groups, and its name where the checkpoint has ``param_names``), the key, what was expected
@@ -25,11 +25,9 @@ from torchao_optim.state import QuantizedState
 
 __all__ = ["checked_state"]
 
-_MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-_SIGNED = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}
-# Group keys torch.optim.Adam fills in for old checkpoints; the rest of the hyperparameters must be there.
-_GROUP_DEFAULTS = ("amsgrad", "maximize", "foreach", "capturable", "differentiable", "fused")
-_REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
+# What the optimizer declares: ``STATE_KEYS`` (every state it may hold besides "step"), ``UNSIGNED_KEYS``,
+# ``REQUIRED_GROUP_KEYS`` (what a group of its state_dict must hold; any other key of the optimizer's groups
+# is filled in from the optimizer, as torch.optim does for old checkpoints) and ``STEP_OPTIONAL``.
 
 
 def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[List[dict], Dict[Tensor, dict]]:
@@ -73,18 +71,19 @@ def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[L
 def _checked_group(optimizer, i: int, group: dict, saved: Any, storage_keys: Sequence[str]) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"param group {i} of the state_dict must be a dict, got {type(saved).__name__}")
-    missing = [k for k in _REQUIRED_GROUP_KEYS if k not in saved]
+    required = optimizer.REQUIRED_GROUP_KEYS
+    missing = [k for k in required if k not in saved]
     if missing:
-        raise ValueError(f"param group {i} of the state_dict has no {missing} (keys: {sorted(saved)}); an Adam "
-                         f"state_dict has {list(_REQUIRED_GROUP_KEYS)}: is it another optimizer's?")
+        raise ValueError(f"param group {i} of the state_dict has no {missing} (keys: {sorted(saved)}); a "
+                         f"{type(optimizer).__name__} state_dict has {list(required)}: is it another optimizer's?")
     if not isinstance(saved["params"], (list, tuple)):
         raise ValueError(f"param group {i} of the state_dict: 'params' must be a list of ids, got {saved['params']!r}")
     if len(saved["params"]) != len(group["params"]):
         raise ValueError(f"param group {i} of the state_dict has {len(saved['params'])} parameters, the "
                          f"optimizer's {len(group['params'])}")
     new = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
-    for key in _GROUP_DEFAULTS:
-        if key in group:
+    for key in group:
+        if key not in required and key != "param_names":
             new.setdefault(key, group[key])
     new.update({k: group[k] for k in storage_keys})
     new["params"] = group["params"]
@@ -95,16 +94,22 @@ def _checked_group(optimizer, i: int, group: dict, saved: Any, storage_keys: Seq
 
 
 def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: str) -> dict:
-    expected = ("step",) + optimizer._state_keys(group)
+    keys = optimizer.STATE_KEYS
+    expected = ("step",) + optimizer._state_keys(group, p)
+    entry = dict(entry)
+    if "step" not in entry and optimizer.STEP_OPTIONAL:  # torch.optim's form: its buffers exist, so one step ran
+        entry["step"] = 1.0
     missing = [k for k in expected if k not in entry]
     if missing:
+        because = f", as amsgrad={group['amsgrad']}" if "amsgrad" in group else ""
         raise ValueError(f"{where}: state has no {missing} (keys: {sorted(map(str, entry))}; expected "
-                         f"{list(expected)}, as amsgrad={group['amsgrad']})")
-    unknown = [k for k in entry if k not in ("step",) + _MOMENTS]
+                         f"{list(expected)}{because})")
+    unknown = [k for k in entry if k not in ("step",) + keys]
     if unknown:
-        raise ValueError(f"{where}: state has unknown keys {unknown}; an Adam state holds {['step', *_MOMENTS]}")
+        raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
+                         f"{['step', *keys]}")
     out = {"step": _checked_step(p, entry["step"], where)}
-    for key in _MOMENTS:
+    for key in keys:
         if key in entry:
             out[key] = _checked_moment(optimizer, p, group, key, entry[key], f"{where}: state[{key!r}]")
     return out
@@ -131,7 +136,7 @@ def _checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, whe
         raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
     if value.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
-    fmt, signed = optimizer._format_for(p, group), _SIGNED[key]
+    fmt, signed = optimizer._format_for(p, group), optimizer._signed(key)
     if isinstance(value, QuantizedState):
         try:
             value.check_fields()

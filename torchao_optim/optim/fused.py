@@ -2,12 +2,12 @@
 
 The planner reads each state's :class:`~torchao_optim.state.layout.StateLayout` (``fast_path_layout()``)
 and nothing else about its format: any format that describes itself that way is fused, including one
-written after the kernels. Parameters are bucketed into plans by (device, param dtype, grad dtype, the two
-states' layouts); a :class:`GroupPlan` holds the device tables one launch reads (pointers, sizes, the
-program -> (tensor, block) map, the encoder tables) and the plan's step counts, to which each parameter's
-``state["step"]`` is an alias. Plans are rebuilt only when the set of parameters with gradients changes.
-Gradients move (``zero_grad(set_to_none=True)`` frees them), so their addresses are a table of their own,
-refreshed with one non-blocking copy from pinned memory when one moved.
+written after the kernels. Parameters are bucketed into plans by (the update rule and the layouts of the one
+or two states it carries, device, param dtype, grad dtype); a :class:`GroupPlan` holds the device tables one
+launch reads (pointers, sizes, the program -> (tensor, block) map, the encoder tables) and the plan's step
+counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set of
+parameters with gradients changes. Gradients move (``zero_grad(set_to_none=True)`` frees them), so their
+addresses are a table of their own, refreshed with one non-blocking copy from pinned memory when one moved.
 
 Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
 Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from torchao_optim.quant import bucket_tables, codebook_tensor
 
-__all__ = ["fused_available", "GroupPlan", "plan_group"]
+__all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
 ITERS = 8  # quantization blocks per program, walked one register tile at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
@@ -76,24 +77,37 @@ def _state_layout(state) -> Optional[object]:
     return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
 
 
-def plan_key(p: Tensor, state, amsgrad: bool, interpreter: bool = False) -> Optional[tuple]:
-    """What a plan's parameters share, or None if no fused kernel can update ``p`` (CPU parameters only with
-    ``interpreter``: Triton's interpreter is for testing)."""
+@dataclass(frozen=True)
+class FusedRule:
+    """An update rule a fused kernel implements: its name (which kernel, and which coefficient rows it reads)
+    and the state keys it reads and writes, one or two, in the kernel's order."""
+
+    name: str
+    state_keys: Tuple[str, ...]
+    n_coefs: int  # columns of the coefficient rows its kernel reads
+
+
+ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), 7)
+
+
+def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
+    """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
+    implements the group's rule; CPU parameters only with ``interpreter``: Triton's interpreter is for testing)."""
     if p.device.type == "cpu" and not interpreter:
         return None
-    if amsgrad or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
+    if rule is None or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
         return None
     from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
     if p.dtype not in TRITON_DTYPES or p.grad.dtype not in TRITON_DTYPES:
         return None
-    m, v = _state_layout(state["exp_avg"]), _state_layout(state["exp_avg_sq"])
-    if m is None or v is None:
+    layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
+    if any(x is None for x in layouts):
         return None
-    blocks = {x.block_size for x in (m, v) if x != "fp32"}
+    blocks = {x.block_size for x in layouts if x != "fp32"}
     if len(blocks) > 1:
         return None
-    return (m, v, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, p.grad.dtype)
+    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, p.grad.dtype)
 
 
 def _fields(state, layout) -> Tuple[int, int]:
@@ -128,15 +142,18 @@ class GroupPlan:
     """Device tables for one launch over ``params`` (all with the same :func:`plan_key`)."""
 
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
-        self.m_layout, self.v_layout, self.block, device, param_dtype, grad_dtype = key
+        self.rule, self.layouts, self.block, device, param_dtype, grad_dtype = key
+        if self.rule.name == "adam":
+            self.m_layout, self.v_layout = self.layouts
         self.params = params
         # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
         self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
-        rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
-                for p, s in zip(params, states)]
+        # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
+        rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
+                                  for x in _fields(s[k], layout)] for p, s in zip(params, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         # params and codes at 16-byte boundaries (fresh allocations are): the kernel's loads become vectors
-        self.aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[3] % 16 == 0 for r in rows)
+        self.aligned = all(r[0] % 16 == 0 and all(x % 16 == 0 for x in r[1::2]) for r in rows)
         self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
@@ -153,8 +170,8 @@ class GroupPlan:
         self.steps = torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states])
         for i, s in enumerate(states):
             s["step"] = _alias0d(self.steps, i)
-        self.coefs = torch.empty(len(params), 7, dtype=torch.float32, device=device)  # adam_coefficients' rows
-        self.tables = _tables(self.m_layout, device) + _tables(self.v_layout, device)
+        self.coefs = torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device)
+        self.tables = sum((_tables(layout, device) for layout in self.layouts), ())
         from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
         self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
@@ -170,9 +187,14 @@ class GroupPlan:
             self.grad_key = key
             self.grads_aligned = all(k % 16 == 0 for k in key)
 
-    def launch(self, hyperparams: Tensor, decoupled: bool, maximize: bool) -> None:
-        """One Adam/AdamW step of every parameter of the plan; ``hyperparams`` as in ``adam_coefficients``.
-        Two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update."""
+    def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False, **flags) -> None:
+        """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
+        ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
+        Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update."""
+        if self.rule.name != "adam":
+            from torchao_optim.kernels.triton_momentum import launch_momentum
+
+            return launch_momentum(self, hyperparams, maximize=maximize, **flags)
         from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
 
         self.refresh_grads()
@@ -190,24 +212,25 @@ class GroupPlan:
         )
 
 
-def plan_group(cache: Dict, params: List[Tensor], states: List[dict], amsgrad: bool, interpreter: bool = False
-               ) -> Tuple[List[GroupPlan], List[int]]:
-    """The plans covering what the fused kernels can update in ``params`` (reused from ``cache`` while the
-    same parameters have gradients), and the indexes of the parameters left to the compiled path."""
-    if cache.get("params") is params:  # the optimizer hands back the same list while nothing changed
+def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Optional[FusedRule],
+               interpreter: bool = False) -> Tuple[List[GroupPlan], List[int]]:
+    """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
+    while the same parameters have gradients under the same rule), and the indexes of the parameters left to
+    the compiled path."""
+    if cache.get("params") is params and cache.get("rule") == rule:  # the optimizer's list, unchanged
         return cache["plans"], cache["rest"]
-    key = tuple(id(p) for p in params)
+    key = (rule,) + tuple(id(p) for p in params)
     if cache.get("key") == key:
         cache["params"] = params
         return cache["plans"], cache["rest"]
     buckets: Dict[tuple, List[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
-        k = plan_key(p, s, amsgrad, interpreter)
+        k = plan_key(p, s, rule, interpreter)
         if k is None:
             rest.append(i)
         else:
             buckets.setdefault(k, []).append(i)
     plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx]) for k, idx in buckets.items()]
-    cache.update(key=key, params=params, plans=plans, rest=rest)
+    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest)
     return plans, rest

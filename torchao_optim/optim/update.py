@@ -1,4 +1,5 @@
-"""The Adam/AdamW update rule, written once in plain tensor code that does not know the state's format.
+"""The update rules (Adam/AdamW, SGD, Lion, Muon's momentum), each written once in plain tensor code that does
+not know the state's format.
 
 The states may be plain fp32 tensors or any :class:`~torchao_optim.state.QuantizedState`: reading one
 (``lerp``, ``mul``, ``where``) dequantizes it, ``copy_`` into it requantizes. Under ``torch.compile`` the
@@ -15,7 +16,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["adam_update", "adam_coefficients", "COEFS"]
+__all__ = [
+    "adam_update", "adam_coefficients", "COEFS", "sgd_update", "sgd_coefficients", "SGD_COEFS", "lion_update",
+    "lion_coefficients", "LION_COEFS", "muon_momentum", "muon_coefficients", "MUON_COEFS",
+]
 
 
 # Columns of the coefficient table both executors read, one row per parameter.
@@ -96,3 +100,120 @@ def adam_update(
     denom = v.sqrt() * inv_bc2 + eps
     p_new = p_decayed - step_size * (m / denom)
     param.copy_(torch.where(ok, p_new, p))
+
+
+# ---- the one-state rules: SGD with momentum, Lion, Muon's momentum ---------------------------------------
+# Each has its coefficient function (float64, once per group and step, one row per parameter) and its update,
+# in the same form as Adam's: the state may be plain or any format, non-finite gradient elements are skipped
+# (parameter and state keep their values), and so is an element whose new state would overflow.
+
+SGD_COEFS = ("lr", "weight_decay", "momentum", "grad_coef")
+
+
+def sgd_coefficients(step: torch.Tensor, hyperparams: torch.Tensor) -> torch.Tensor:
+    """SGD's rows, float64 ``step.shape + (4,)`` in the order of :data:`SGD_COEFS`, from the group's
+    ``(lr, momentum, dampening, weight_decay)``. ``grad_coef`` is ``1 - dampening``, except at a parameter's
+    first step, where torch.optim.SGD sets the buffer to the gradient itself (the buffer is zero then, so
+    ``momentum * 0 + 1 * g`` is that, exactly)."""
+    lr, momentum, dampening, weight_decay = hyperparams.unbind()
+    first = step.to(torch.float64) <= 1
+    grad_coef = torch.where(first, torch.ones_like(dampening), 1 - dampening)
+    consts = torch.stack([lr, weight_decay, momentum]).expand(step.shape + (3,))
+    return torch.cat([consts, grad_coef.unsqueeze(-1)], dim=-1)
+
+
+def sgd_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    momentum_buffer: Optional[torch.Tensor],
+    coefs: torch.Tensor,
+    *,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """One ``torch.optim.SGD`` step on one parameter, in place (``momentum_buffer`` None: momentum 0)."""
+    lr, wd, momentum, grad_coef = coefs.unbind()
+    p = param.to(torch.promote_types(param.dtype, torch.float32))
+    g = grad.to(momentum_buffer.dtype if momentum_buffer is not None else p.dtype)
+    if maximize:
+        g = -g
+    finite = torch.isfinite(g)
+    g = torch.where(finite, g, 0.0) + (wd * p).to(g.dtype)
+    ok = finite
+    if momentum_buffer is not None:
+        buf_new = momentum_buffer * momentum + grad_coef * g
+        ok = finite & torch.isfinite(buf_new)
+        buf = torch.where(ok, buf_new, momentum_buffer)
+        momentum_buffer.copy_(buf)
+        g = g + momentum * buf if nesterov else buf
+    param.copy_(torch.where(ok, p - lr * g, p))
+
+
+LION_COEFS = ("lr", "weight_decay_factor", "one_minus_beta1", "one_minus_beta2")
+
+
+def lion_coefficients(step: torch.Tensor, hyperparams: torch.Tensor) -> torch.Tensor:
+    """Lion's rows, float64 ``step.shape + (4,)`` (:data:`LION_COEFS`), from ``(lr, beta1, beta2, weight_decay)``:
+    ``lr, 1 - lr * weight_decay, 1 - beta1, 1 - beta2``. Lion's update does not depend on the step count."""
+    lr, beta1, beta2, weight_decay = hyperparams.unbind()
+    return torch.stack([lr, 1 - lr * weight_decay, 1 - beta1, 1 - beta2]).expand(step.shape + (4,))
+
+
+def lion_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    coefs: torch.Tensor,
+    *,
+    maximize: bool,
+) -> None:
+    """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on one parameter:
+    ``c = beta1 * m + (1 - beta1) * g;  p = p * (1 - lr * wd) - lr * sign(c);  m = beta2 * m + (1 - beta2) * g``."""
+    lr, wd_factor, one_minus_beta1, one_minus_beta2 = coefs.unbind()
+    p = param.to(torch.promote_types(param.dtype, torch.float32))
+    g = grad.to(exp_avg.dtype)
+    if maximize:
+        g = -g
+    finite = torch.isfinite(g)
+    g = torch.where(finite, g, 0.0)
+    c = exp_avg + one_minus_beta1 * (g - exp_avg)
+    m_new = exp_avg + one_minus_beta2 * (g - exp_avg)
+    ok = finite & torch.isfinite(m_new) & torch.isfinite(c)
+    exp_avg.copy_(torch.where(ok, m_new, exp_avg))
+    param.copy_(torch.where(ok, p * wd_factor - lr * torch.sign(c), p))
+
+
+MUON_COEFS = ("lr", "weight_decay_factor", "one_minus_momentum", "momentum")
+
+
+def muon_coefficients(step: torch.Tensor, hyperparams: torch.Tensor) -> torch.Tensor:
+    """Muon's rows, float64 ``step.shape + (4,)`` (:data:`MUON_COEFS`), from ``(lr, momentum, weight_decay)``."""
+    lr, momentum, weight_decay = hyperparams.unbind()
+    return torch.stack([lr, 1 - lr * weight_decay, 1 - momentum, momentum]).expand(step.shape + (4,))
+
+
+def muon_momentum(
+    grad: torch.Tensor,
+    momentum_buffer: torch.Tensor,
+    coefs: torch.Tensor,
+    *,
+    nesterov: bool,
+    maximize: bool,
+):
+    """Muon's elementwise half, in place on the buffer: ``B = B + (1 - mu) * (g - B)`` (torch.optim.Muon's
+    ``lerp``), and the direction to orthogonalize, ``g + mu * (B - g)`` with nesterov, else ``B``. Returns
+    ``(direction, ok)``: a non-finite gradient element (or an overflowing buffer) keeps its buffer, counts as 0
+    in the direction (the orthogonalization mixes every element: one NaN would spread to all) and is marked
+    not ``ok``, so that its parameter is left alone."""
+    _, _, one_minus_momentum, momentum = coefs.unbind()
+    g = grad.to(momentum_buffer.dtype)
+    if maximize:
+        g = -g
+    finite = torch.isfinite(g)
+    g = torch.where(finite, g, 0.0)
+    buf_new = momentum_buffer + one_minus_momentum * (g - momentum_buffer)
+    ok = finite & torch.isfinite(buf_new)
+    buf = torch.where(ok, buf_new, momentum_buffer)
+    momentum_buffer.copy_(buf)
+    direction = g + momentum * (buf - g) if nesterov else buf
+    return torch.where(ok, direction, 0.0), ok

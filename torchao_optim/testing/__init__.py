@@ -2,7 +2,9 @@
 from torchao_optim.testing.compare import assert_same_tensor, save_load
 from torchao_optim.testing.format_case import StateFormatTestCase, requires_cuda
 from torchao_optim.testing.optimizer_case import OptimizerConformanceCase
+from torchao_optim.testing.rule_case import RULES, ReferenceLion, RuleConformanceCase
 
 __all__ = [
-    "StateFormatTestCase", "OptimizerConformanceCase", "assert_same_tensor", "requires_cuda", "save_load",
+    "StateFormatTestCase", "OptimizerConformanceCase", "RuleConformanceCase", "ReferenceLion", "RULES",
+    "assert_same_tensor", "requires_cuda", "save_load",
 ]

@@ -1,0 +1,121 @@
+"""The multi-tensor one-state kernel on CUDA: SGD with momentum and Lion, one launch per plan.
+
+The twin of :mod:`torchao_optim.kernels.triton_adam` for rules that carry one state (SGD's momentum buffer,
+Lion's ``exp_avg``): a plan's tensors share a device, param and grad dtypes and the state's layout; the kernel
+takes a table of pointers (param, the state's codes or fp32 values, its scales: one row per tensor) and a map
+from program to (tensor, first block); each program walks ``ITERS`` consecutive quantization blocks, one
+register tile at a time, and reads and writes everything once. Reading and writing the state is
+``triton_codec``'s, so the kernel knows no format.
+
+The arithmetic is :func:`~torchao_optim.optim.update.sgd_update`'s (``RULE = 0``) or
+:func:`~torchao_optim.optim.update.lion_update`'s (``RULE = 1``), with the coefficient rows of
+``sgd_coefficients``/``lion_coefficients`` read from a device table (a tensor lr needs no host sync). This
+module imports Triton; import it only where Triton is available.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchao_optim.kernels.triton_adam import _codes_pointer
+from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
+
+RULES = {"sgd": 0, "lion": 1}
+
+
+@triton.jit
+def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, s_values, s_level1, s_level2,
+                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr,
+                   MAXIMIZE: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
+    """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores."""
+    start = blk * BLOCK
+    valid = local < n_valid
+    p = tl.load(p_base + start + local, mask=valid, other=0.0).to(tl.float32)
+    g = tl.load(g_base + start + local, mask=valid, other=0.0).to(tl.float32)
+    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK)
+    s = load_state(raw, scale, s_values, S_QUANT)
+    c0, c1, c2, c3 = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3)
+
+    if MAXIMIZE:
+        g = -g
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    if RULE == 0:  # SGD: lr, weight_decay, momentum, grad_coef
+        g = g + c1 * p
+        s_new = s * c2 + c3 * g
+        ok = finite & (tl.abs(s_new) < float("inf"))
+        s = tl.where(ok, s_new, s)
+        if NESTEROV:
+            d = g + c2 * s
+        else:
+            d = s
+        p = tl.where(ok, p - c0 * d, p)
+    else:  # Lion: lr, 1 - lr * weight_decay, 1 - beta1, 1 - beta2
+        interp = s + c2 * (g - s)
+        s_new = s + c3 * (g - s)
+        ok = finite & (tl.abs(s_new) < float("inf")) & (tl.abs(interp) < float("inf"))
+        s = tl.where(ok, s_new, s)
+        sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
+        p = tl.where(ok, p * c1 - c0 * sign, p)
+
+    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=valid)
+    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK)
+
+
+@triton.jit
+def momentum_kernel(
+    ptrs,  # int64 (n_tensors, 3): param, the state's codes (or fp32 values), its absmax
+    grad_ptrs,  # int64 (n_tensors,)
+    numels,  # int64 (n_tensors,)
+    coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
+    prog_tensor,  # int32 (n_programs,): which tensor each program updates
+    prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
+    s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level2 with bounds)
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    row = ptrs + t * 3
+    c = coefs + t * 4
+    numel = tl.load(numels + t)
+    first = tl.load(prog_block + pid).to(tl.int64)
+    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole blocks, then at most one partial
+    has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
+    local = tl.arange(0, BLOCK)
+    p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
+    g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    sc = _codes_pointer(tl.load(row + 1), S_QUANT)
+    ss = tl.load(row + 2)
+    if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
+        p_base, g_base, sc = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16), tl.multiple_of(sc, 16)
+    for i in range(0, n_full):
+        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, c, s_values, s_level1, s_level2,
+                       PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, S_QUANT, S_BITS)
+    if has_tail:
+        blk = first + n_full
+        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, c, s_values, s_level1, s_level2,
+                       PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, S_QUANT, S_BITS)
+
+
+def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False) -> None:
+    """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
+    rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
+    from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
+
+    plan.refresh_grads()
+    plan.steps.add_(1)
+    rule = plan.rule.name
+    coefficients = sgd_coefficients if rule == "sgd" else lion_coefficients
+    plan.coefs.copy_(coefficients(plan.steps, hyperparams))  # (n_tensors, 4), fp32
+    layout = plan.layouts[0]
+    plan.compiled = momentum_kernel[(plan.n_programs,)](
+        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, *plan.tables,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, ITERS=plan.iters,
+        ALIGNED=plan.aligned and plan.grads_aligned,
+        RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize,
+        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),
+        num_warps=plan.num_warps,
+    )

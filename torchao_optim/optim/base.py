@@ -1,0 +1,381 @@
+"""What every optimizer of the library shares: the group loop, state creation, checked checkpoints, copies.
+
+:class:`LowBitOptimizer` is a ``torch.optim.Optimizer`` whose states are created in a registered format
+(``state_format``), and whose step sends each parameter group to the fused multi-tensor kernels where a
+plan covers it (``optim/fused.py``) and every other parameter down the per-parameter compiled path
+(``optim/compiled.py``). A subclass (Adam, SGD, Lion, Muon) declares its state keys and their signs, checks
+its hyperparameters, turns them into per-step coefficients (one row per parameter, float64, the one form both
+executors read) and updates one parameter on the compiled path; everything else is here.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchao_optim.optim.checkpoint import checked_state
+from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
+from torchao_optim.state import QuantizedState, get_state_format
+
+__all__ = ["LowBitOptimizer", "check_number", "check_storage"]
+
+
+def number(name, value, tensor_ok=False):
+    """``value`` as a Python float: ints, floats, numpy scalars and (where torch.optim takes one) a one-element
+    tensor; anything else is a ValueError naming it."""
+    if isinstance(value, Tensor):
+        if not tensor_ok or value.numel() != 1 or value.is_complex():
+            raise ValueError(f"Invalid {name}: a tensor {name} must be real with exactly one element, got "
+                             f"shape {tuple(value.shape)} and dtype {value.dtype}")
+        return float(value.detach().reshape(()).cpu())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid {name}: {value!r} (a real number)")
+    return float(value)
+
+
+def check_number(name: str, value, low: float = 0.0, high: Optional[float] = None, tensor_ok=True) -> None:
+    """ValueError naming ``name`` unless ``low <= value`` (and ``value < high``)."""
+    x = number(name, value, tensor_ok=tensor_ok)
+    if not (x >= low and (high is None or x < high)):
+        raise ValueError(f"Invalid {name}: {value!r}")
+
+
+def check_storage(block_size, min_quant_size) -> None:
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
+                                   or block_size <= 0):
+        raise ValueError(f"Invalid block_size: {block_size!r} (a positive int, or None for the format's default)")
+    if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
+        raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
+
+
+def as_float(group, key: str) -> None:
+    """Numpy scalars and one-element tensors in ``group[key]`` become Python floats (read once, as torch.optim's
+    non-capturable paths do)."""
+    if not isinstance(group[key], (int, float)) or isinstance(group[key], bool):
+        group[key] = number(key, group[key], tensor_ok=True)
+
+
+def check_bool(group, key: str) -> None:
+    if not isinstance(group[key], bool):
+        raise ValueError(f"Invalid {key}: {group[key]!r} (True or False)")
+
+
+def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) -> None:
+    """torch.optim's implementation keywords: what we can honour is accepted, the rest refused by name.
+
+    ``foreach`` picks torch.optim's implementation and never its numbers: ours are chosen by ``fused`` and
+    ``compile``, so any value is accepted. ``capturable=True`` is honoured where the step can be captured in a
+    CUDA graph: the fused CUDA path. ``differentiable=True`` is refused: quantization is not differentiable.
+    """
+    if foreach is not None and not isinstance(foreach, bool):
+        raise ValueError(f"Invalid foreach: {foreach!r} (None, True or False)")
+    if not isinstance(capturable, bool) or not isinstance(differentiable, bool):
+        raise ValueError(f"Invalid capturable or differentiable: {capturable!r}, {differentiable!r} (True or False)")
+    if differentiable:
+        raise ValueError(f"{name}(differentiable=True) is not supported: the step requantizes its state, which "
+                         f"autograd cannot differentiate; use the torch.optim optimizer with differentiable=True")
+    if capturable:
+        if fused is False:
+            raise ValueError(f"{name}(capturable=True) needs the fused CUDA path, which fused=False turns off")
+        if not fused_available("cuda"):
+            raise ValueError(f"{name}(capturable=True) needs the fused CUDA path (Triton and a CUDA device): only "
+                             f"its step can be captured in a CUDA graph")
+
+
+def alias(t: Tensor, shape) -> Tensor:
+    """``t`` (contiguous) with ``shape``, sharing its storage but not a ``view`` of it: torch.compile with
+    dynamic shapes mishandles mutated inputs that are views of a differently shaped base."""
+    shape = tuple(shape)
+    if isinstance(t, QuantizedState):  # inner tensors are flat already: a new wrapper over them
+        return t._new(t.fields(), shape=shape)
+    if tuple(t.shape) == shape and type(t) is Tensor and not t._is_view():
+        return t
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return t.new_empty(0).set_(t.untyped_storage(), t.storage_offset(), shape, strides)
+
+
+def step_shape(p: Tensor, states) -> tuple:
+    """The shape the compiled update sees: (n_blocks, block_size) when the states are quantized and the
+    size is whole blocks, so the update, the per-block absmax and the requantization share one iteration
+    space and fuse into one pass; flat otherwise. Either way one graph serves every parameter size."""
+    q = next((s for s in states if isinstance(s, QuantizedState)), None)
+    bs = getattr(q, "block_size", None)
+    if bs and p.numel() % bs == 0 and p.numel() > 0:
+        return (p.numel() // bs, bs)
+    return (p.numel(),)
+
+
+def flat_aliases(p: Tensor, grad: Tensor, states: Sequence[Optional[Tensor]]):
+    """``(p, grad, states)`` as the compiled update takes them: contiguous ones aliased to :func:`step_shape`,
+    so that every parameter, whatever its shape, reuses one compiled graph (a non-contiguous parameter keeps
+    its shape, and gets a graph of its own)."""
+    if not p.is_contiguous():
+        return p, grad, list(states)
+    shape = step_shape(p, states)
+    grad = grad if grad.is_contiguous() else grad.contiguous()
+    return alias(p, shape), alias(grad, shape), [None if s is None else alias(s, shape) for s in states]
+
+
+class LowBitOptimizer(torch.optim.Optimizer):
+    """Base of the library's optimizers. A subclass sets the class attributes below and implements
+    ``_check_hyperparams(group)``, ``_hyperparam_values(group)``, ``_coefficients(steps, hp, group)`` and
+    ``_step_one(p, state, group, coefs)``; ``_fused_rule(group)`` where a fused kernel implements its rule."""
+
+    _quantized_state_native = True  # quantize_optimizer_state refuses it: choose the format with state_format=
+    STATE_KEYS: Tuple[str, ...] = ()  # every state key the optimizer may create (besides "step")
+    UNSIGNED_KEYS: Tuple[str, ...] = ()  # the ones that never hold a negative value
+    REQUIRED_GROUP_KEYS: Tuple[str, ...] = ("params", "lr")  # what a loadable state_dict's groups hold
+    STORAGE_KEYS: Tuple[str, ...] = ("state_format", "block_size", "min_quant_size")  # kept from the optimizer
+    STEP_OPTIONAL = False  # torch.optim's form of the state has no "step" (SGD, Muon): a loaded one counts 1
+    update_fn = None  # the compiled path's rule
+
+    def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
+                 capturable: bool = False, differentiable: bool = False):
+        name = type(self).__name__
+        check_storage(defaults["block_size"], defaults["min_quant_size"])
+        if defaults["state_format"] != "none":
+            get_state_format(defaults["state_format"])  # raises ValueError naming the registered formats
+        check_torch_keywords(name, foreach, capturable, differentiable, fused)
+        if fused and not fused_available():
+            raise RuntimeError("fused=True needs Triton and a CUDA device (or, for testing, TRITON_INTERPRET=1)")
+        self._setup(compile, fused, foreach, capturable)
+        super().__init__(params, defaults)
+
+    def _setup(self, compile: bool, fused: Optional[bool], foreach=None, capturable: bool = False) -> None:
+        """What the optimizer builds for itself rather than saves: the compiled update, caches, the path."""
+        self._compile, self._fused_option = bool(compile), fused
+        self._foreach, self._capturable = foreach, capturable
+        self._update = CompiledOrEager(type(self).update_fn, enabled=self._compile)
+        self._hp_tensors: Dict[tuple, tuple] = {}
+        self._plans: Dict[int, dict] = {}
+        self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
+        # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
+        self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
+        self._interpreter = fused is True
+
+    # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------
+    def __getstate__(self) -> Dict[str, Any]:
+        # The compiled update and the caches are rebuilt by the copy; only how to build them is saved.
+        state = super().__getstate__()
+        state["options"] = {"compile": self._compile, "fused": self._fused_option, "foreach": self._foreach,
+                            "capturable": self._capturable}
+        return state
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        state = dict(state)
+        options = state.pop("options", None)
+        super().__setstate__(state)
+        if options is not None or not hasattr(self, "_update"):
+            self._setup(**(options or {"compile": True, "fused": None}))
+
+    # ---- parameter groups ---------------------------------------------------------------------------
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """As ``torch.optim``'s; a group that fails the checks raises and is not added."""
+        super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_hyperparams(self, group: Dict[str, Any]) -> None:
+        """Raise ValueError naming a bad hyperparameter of ``group``; normalize numbers in place."""
+        raise NotImplementedError
+
+    def _check_group(self, group: Dict[str, Any], index: Optional[int] = None) -> None:
+        """Raise ValueError unless ``group`` holds valid hyperparameters and parameters; normalizes numbers."""
+        where = f"param group {len(self.param_groups) - 1 if index is None else index}"
+        try:
+            self._check_hyperparams(group)
+            check_storage(group["block_size"], group["min_quant_size"])
+            if group["state_format"] != "none":
+                get_state_format(group["state_format"])  # raises ValueError naming the registered formats
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        for p in group["params"]:
+            if p.is_complex():
+                raise ValueError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
+            if not p.is_floating_point():
+                raise ValueError(f"{type(self).__name__} optimizes floating-point parameters, got {p.dtype}")
+
+    # ---- state --------------------------------------------------------------------------------------
+    def _state_keys(self, group, p: Optional[Tensor] = None) -> Tuple[str, ...]:
+        """The state keys ``p`` has in ``group`` (besides "step")."""
+        raise NotImplementedError
+
+    def _signed(self, key: str) -> bool:
+        return key not in self.UNSIGNED_KEYS
+
+    def _format_for(self, p: Tensor, group) -> Optional[type]:
+        """The format class for ``p``'s state, or None for plain (unquantized) state."""
+        if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
+            return None
+        fmt = get_state_format(group["state_format"])
+        try:
+            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=group["block_size"]))
+        except ValueError:
+            return None  # the format cannot store this shape: keep plain state
+        return fmt
+
+    @staticmethod
+    def _plain_state_dtype(p: Tensor) -> torch.dtype:
+        """Unquantized state is fp32, or fp64 for fp64 parameters (torch.optim's numbers)."""
+        return torch.float64 if p.dtype == torch.float64 else torch.float32
+
+    def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
+        fmt = self._format_for(p, group)
+        if fmt is None:
+            return torch.zeros_like(p, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
+        return fmt.zeros(p.shape, signed=signed, block_size=group["block_size"], device=p.device)
+
+    def _init_state(self, p: Tensor, group, state) -> None:
+        """Create what ``state`` lacks: the step count and each state key (a group may gain one, as SGD's
+        momentum buffer when momentum is turned on)."""
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in self._state_keys(group, p):
+            if key not in state:
+                state[key] = self._new_state_tensor(p, group, signed=self._signed(key))
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load ours or the matching ``torch.optim`` optimizer's state_dict.
+
+        The whole checkpoint is checked first, against what this optimizer would create for each parameter
+        (keys, shapes, dtypes, devices, the block layout and scales of quantized states, finite values):
+        a bad one raises ValueError naming the parameter, the key and what was expected, and leaves the
+        optimizer as it was. States are then converted to this optimizer's format (fp32 states are
+        quantized, quantized ones dequantized where this optimizer keeps plain state); hyperparameters come
+        from the checkpoint, how states are stored (``STORAGE_KEYS``) from this optimizer.
+        """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        param_groups, state = checked_state(self, state_dict, self.STORAGE_KEYS)
+        self.__setstate__({"state": state, "param_groups": param_groups})
+        self._plans.clear()  # plans point at the replaced state tensors
+        self._with_grad.clear()
+        self._hp_tensors.clear()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    # ---- hyperparameters as a device tensor: changing them never recompiles, never syncs ---------------
+    def _hyperparam_values(self, group) -> Tuple[Any, ...]:
+        """The group's hyperparameters in the order ``_coefficients`` reads them (lr first)."""
+        raise NotImplementedError
+
+    def _hyperparams(self, group, device: torch.device) -> Tensor:
+        """:meth:`_hyperparam_values` as a float64 tensor on ``device``, refilled only where a value changed; a
+        tensor lr on the device is copied there without a host sync."""
+        values = self._hyperparam_values(group)
+        cached, hp = self._hp_tensors.setdefault(
+            (id(group), device), ([None] * len(values), torch.zeros(len(values), dtype=torch.float64, device=device)))
+        for i, value in enumerate(values):
+            if isinstance(value, Tensor):
+                if value.device == device:
+                    hp[i].copy_(value.reshape(()))
+                    cached[i] = None
+                    continue
+                value = value.item()  # a CPU tensor: reading it costs no device sync
+            if cached[i] != value:
+                hp[i].fill_(value)
+                cached[i] = value
+        return hp
+
+    def _coefficients(self, steps: Tensor, hp: Tensor, group) -> Tensor:
+        """Per-parameter coefficient rows, float64 ``steps.shape + (k,)``, from advanced step counts."""
+        raise NotImplementedError
+
+    # ---- the step -----------------------------------------------------------------------------------
+    def _params_with_grad(self, group) -> Tuple[List[Tensor], List[dict]]:
+        """The group's parameters that have a gradient, and their states (created on first use). The lists
+        are reused while the same parameters have gradients and the group's state keys are the same: a step
+        costs one pass over the grads."""
+        grads = [p.grad for p in group["params"]]
+        key = (tuple(map(id, group["params"])), tuple(g is None for g in grads), self._state_keys(group))
+        cached = self._with_grad.get(id(group))
+        if cached is not None and cached[0] == key:
+            # The gradients may be new tensors every step; torch checks that a gradient's dtype is its
+            # parameter's, but a sparse one may replace a dense one.
+            if all(g is None or g.layout is torch.strided for g in grads):
+                return cached[1], cached[2]
+        params, states = [], []
+        for p, grad in zip(group["params"], grads):
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+            if grad.is_complex() or p.is_complex():
+                raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+            state = self.state[p]
+            self._init_state(p, group, state)
+            params.append(p)
+            states.append(state)
+        self._with_grad[id(group)] = (key, params, states)
+        return params, states
+
+    def _fused_rule(self, group) -> Optional[FusedRule]:
+        """The fused kernel's rule for this group, or None where none implements it."""
+        return None
+
+    def _launch_flags(self, group) -> Dict[str, Any]:
+        return {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): reevaluates the model and returns the loss.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, states = self._params_with_grad(group)
+            rest = range(len(params))
+            rule = self._fused_rule(group) if params and self._fused else None
+            if rule is not None:
+                plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, rule,
+                                         self._interpreter)
+                for plan in plans:
+                    plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group))
+            if rest and self._capturable:
+                p = params[rest[0]]
+                raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
+                                 f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
+                                 f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')")
+            if rest:
+                self._step_compiled([params[i] for i in rest], [states[i] for i in rest], group)
+        return loss
+
+    def _step_compiled(self, params, states, group) -> None:
+        """The per-parameter compiled path: every format, every device. The step counts are advanced and the
+        coefficients computed for all of them at once, per device (a handful of small kernels, not a handful
+        per parameter)."""
+        by_device: Dict[torch.device, List[int]] = {}
+        for i, p in enumerate(params):
+            by_device.setdefault(p.device, []).append(i)
+        for device, idx in by_device.items():
+            steps = [states[i]["step"] for i in idx]
+            torch._foreach_add_(steps, 1)
+            coefs = self._coefficients(torch.stack(steps), self._hyperparams(group, device), group)  # (n, k)
+            # The update's compute dtype: fp64 for fp64 parameters, fp32 otherwise (as the fused kernels). Each
+            # parameter gets a row, a view at storage offset k * (row + 1): dynamo specializes offsets 0 and 1,
+            # so a first row at offset 0 would compile a graph of its own.
+            coefs = torch.nn.functional.pad(coefs, (0, 0, 1, 0))
+            rows64, rows32 = coefs.unbind(0), coefs.to(torch.float32).unbind(0)
+            for row, i in enumerate(idx, start=1):
+                self._step_one(params[i], states[i], group,
+                               rows64[row] if params[i].dtype == torch.float64 else rows32[row])
+
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+        """One parameter on the compiled path, with its row of :meth:`_coefficients`."""
+        raise NotImplementedError

@@ -1,0 +1,198 @@
+"""Muon with its momentum buffer in low bits, and AdamW (low-bit too) for the parameters Muon is not for.
+
+Muon (Keller Jordan et al., 2024) orthogonalizes the momentum of each 2-D parameter with a few Newton-Schulz
+iterations. The elementwise half (the momentum buffer and the Nesterov direction) is the per-parameter compiled
+update :func:`~torchao_optim.optim.update.muon_momentum`, over a state of any format; the orthogonalization is
+``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which
+computes the same thing (bit for bit on the CPU: tested against torch's where both exist).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from torchao_optim.optim.base import (
+    LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
+)
+from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.update import adam_coefficients, adam_update, muon_coefficients, muon_momentum
+
+__all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
+
+# The quintic's coefficients and step count from the Muon authors (Keller Jordan's post and reference code).
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+NS_EPS = 1e-7
+
+
+def newton_schulz(g: Tensor, coefficients: Tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
+                  eps: float = NS_EPS) -> Tensor:
+    """An approximately orthogonal matrix with ``g``'s singular vectors (2-D ``g``), in bf16: ``X = g / ||g||_F``
+    (the wide orientation, so that ``X @ X.T`` is the smaller Gram matrix), then ``steps`` times
+    ``A = X X^T;  X = a X + (b A + c A A) X``. The coefficients are chosen for a steep slope at 0, not for
+    convergence: singular values end up in about [0.7, 1.2], which trains as well as exact orthogonalization."""
+    if g.dim() != 2:
+        raise ValueError(f"Newton-Schulz orthogonalizes 2-D matrices, got shape {tuple(g.shape)}")
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x.div(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def orthogonalize(g: Tensor, coefficients, steps: int, eps: float) -> Tensor:
+    """``torch.optim.Muon``'s orthogonalization where this torch has it, else :func:`newton_schulz`."""
+    try:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+    except ImportError:
+        return newton_schulz(g, tuple(coefficients), steps, eps)
+    return _zeropower_via_newtonschulz(g, tuple(coefficients), steps, eps)
+
+
+def lr_ratio(shape, adjust_lr_fn: Optional[str]) -> float:
+    """torch.optim.Muon's lr adjustment for a (rows, cols) parameter: ``sqrt(max(1, rows / cols))`` ("original",
+    the default) or ``0.2 * sqrt(max(rows, cols))`` ("match_rms_adamw": AdamW's update RMS, Moonshot's)."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn in (None, "original"):
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+class Muon8bit(LowBitOptimizer):
+    r"""Muon with its momentum buffer stored in a low-bit state format; AdamW for every other parameter.
+
+    For each 2-D parameter (``torch.optim.Muon``'s algorithm):
+
+    .. code-block:: text
+
+        B = momentum * B + (1 - momentum) * g
+        O = NS(g + momentum * (B - g))   (NS(B) without nesterov): Newton-Schulz orthogonalization
+        p = p * (1 - lr * weight_decay) - lr * ratio(shape) * O
+
+    Parameters that are not 2-D (biases, norms; and any group with ``use_muon=False``, such as embeddings and
+    the output layer, which the Muon authors leave to AdamW) are updated by AdamW with ``adamw_betas`` and
+    ``adamw_eps``, the group's ``lr`` and ``weight_decay``, and low-bit ``exp_avg``/``exp_avg_sq``: give them
+    a group of their own with AdamW's lr. A non-finite gradient element keeps its buffer and parameter, and
+    counts as 0 in the direction (the orthogonalization mixes every element of the matrix).
+
+    Args:
+        params (iterable): parameters or dicts defining parameter groups (a group may set ``use_muon``).
+        lr (float or Tensor, optional): learning rate. Default: ``1e-3``.
+        weight_decay (float, optional): decoupled weight decay. Default: ``0.1``.
+        momentum (float, optional): momentum factor. Default: ``0.95``.
+        nesterov (bool, optional): Nesterov momentum. Default: ``True``.
+        ns_coefficients (Tuple[float, float, float], optional): the quintic's ``(a, b, c)``.
+            Default: ``(3.4445, -4.775, 2.0315)``.
+        eps (float, optional): the norm's floor in the orthogonalization. Default: ``1e-7``.
+        ns_steps (int, optional): Newton-Schulz iterations. Default: ``5``.
+        adjust_lr_fn (str, optional): ``None``/``"original"`` or ``"match_rms_adamw"``. Default: ``None``.
+        adamw_betas, adamw_eps: the AdamW fallback's. Default: ``(0.9, 0.95)``, ``1e-8``.
+        use_muon (bool, optional): ``None``: Muon for 2-D parameters, AdamW for the rest; ``False``: AdamW for
+            all the group's parameters; ``True``: Muon, and every parameter must be 2-D. Default: ``None``.
+        maximize (bool, optional): maximize the objective. Default: ``False``.
+        state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
+        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`;
+            ``fused=None`` runs the compiled path (no fused kernel implements Muon: its cost is the matrix
+            products), and ``fused=True`` and ``capturable=True`` are refused.
+    """
+
+    STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+    UNSIGNED_KEYS = ("exp_avg_sq",)
+    REQUIRED_GROUP_KEYS = ("params", "lr", "momentum", "weight_decay", "nesterov")
+    STEP_OPTIONAL = True
+    update_fn = staticmethod(muon_momentum)
+
+    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
+                 ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS, adjust_lr_fn=None, *,
+                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, use_muon=None, maximize=False, state_format="dtq8",
+                 block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None, capturable=False,
+                 differentiable=False):
+        if fused:
+            raise ValueError("Muon8bit(fused=True): no fused kernel implements Muon (its cost is the "
+                             "orthogonalization's matrix products); pass fused=None or False")
+        if capturable:
+            raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
+        check_storage(block_size, min_quant_size)
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                        adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
+                        use_muon=use_muon, maximize=maximize, state_format=state_format, block_size=block_size,
+                        min_quant_size=min_quant_size)
+        self._check_hyperparams(dict(defaults, params=[]))
+        super().__init__(params, defaults, compile=compile, fused=False, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _setup(self, compile, fused, foreach=None, capturable=False) -> None:
+        super()._setup(compile, False, foreach, capturable)
+        self._adam_update = CompiledOrEager(adam_update, enabled=self._compile)
+
+    def _check_hyperparams(self, group) -> None:
+        check_number("learning rate", group["lr"])
+        for key in ("weight_decay", "eps", "adamw_eps"):
+            check_number(f"{key} value", group[key])
+            as_float(group, key)
+        check_number("momentum value", group["momentum"], 0.0, 1.0)
+        as_float(group, "momentum")
+        betas = group["adamw_betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"adamw_betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            check_number(f"adamw_betas[{i}]", beta, 0.0, 1.0)
+        group["adamw_betas"] = tuple(number("adamw_betas", b, tensor_ok=True) for b in betas)
+        coefficients = group["ns_coefficients"]
+        if not (isinstance(coefficients, (tuple, list)) and len(coefficients) == 3):
+            raise ValueError(f"ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
+        steps = group["ns_steps"]
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 0 < steps < 100:
+            raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [1, 99])")
+        if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
+            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (None, 'original' or "
+                             f"'match_rms_adamw')")
+        for key in ("nesterov", "maximize"):
+            check_bool(group, key)
+        if group["use_muon"] not in (None, True, False):
+            raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (None, True or False)")
+        if group["use_muon"]:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"use_muon=True: Muon updates 2-D parameters only, got shape {tuple(p.shape)}")
+
+    def _uses_muon(self, group, p: Tensor) -> bool:
+        return group["use_muon"] if group["use_muon"] is not None else p.dim() == 2
+
+    def _state_keys(self, group, p=None):
+        if p is None:
+            return ()
+        return ("momentum_buffer",) if self._uses_muon(group, p) else ("exp_avg", "exp_avg_sq")
+
+    def _hyperparam_values(self, group):
+        b1, b2 = group["adamw_betas"]
+        return (group["lr"], group["momentum"], group["weight_decay"], b1, b2, group["adamw_eps"])
+
+    def _coefficients(self, steps, hp, group):
+        """Muon's 4 columns, then AdamW's 7 (:func:`adam_coefficients`): each parameter reads its rule's."""
+        lr, momentum, weight_decay, b1, b2, eps = hp.unbind()
+        muon = muon_coefficients(steps, torch.stack([lr, momentum, weight_decay]))
+        adam = adam_coefficients(steps, torch.stack([lr, b1, b2, eps, weight_decay]), True)
+        return torch.cat([muon, adam], dim=-1)
+
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+        if not self._uses_muon(group, p):
+            param, grad, states = flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]])
+            self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True, amsgrad=False,
+                              maximize=group["maximize"])
+            return
+        _, grad, (buf,) = flat_aliases(p, p.grad, [state["momentum_buffer"]])
+        direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"], maximize=group["maximize"])
+        ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
+        x = p.to(torch.promote_types(p.dtype, torch.float32))
+        new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)
+        p.copy_(torch.where(ok.reshape(p.shape), new, x))

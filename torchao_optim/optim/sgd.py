@@ -1,0 +1,91 @@
+"""SGD with its momentum buffer in a low-bit state format: a drop-in replacement for ``torch.optim.SGD``."""
+from __future__ import annotations
+
+from torch import Tensor
+
+from torchao_optim.optim.base import LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases
+from torchao_optim.optim.fused import FusedRule
+from torchao_optim.optim.update import sgd_coefficients, sgd_update
+
+__all__ = ["SGD8bit"]
+
+SGD_RULE = FusedRule("sgd", ("momentum_buffer",), 4)
+
+
+def _check(lr, momentum, dampening, weight_decay, nesterov) -> None:
+    check_number("learning rate", lr)
+    check_number("momentum value", momentum)
+    check_number("dampening", dampening, tensor_ok=False)
+    check_number("weight_decay value", weight_decay)
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(f"Nesterov momentum requires a momentum and zero dampening, got momentum={momentum!r}, "
+                         f"dampening={dampening!r}")
+
+
+class SGD8bit(LowBitOptimizer):
+    r"""``torch.optim.SGD`` with its momentum buffer stored in a low-bit state format.
+
+    .. code-block:: text
+
+        g = grad (negated if maximize) + weight_decay * p
+        b = g at the first step, else momentum * b + (1 - dampening) * g
+        p -= lr * (g + momentum * b  if nesterov  else  b)       (p -= lr * g when momentum is 0: no state)
+
+    The buffer is dequantized, updated in fp32 and requantized once per step (signed map). Parameters below
+    ``min_quant_size`` elements, and ``state_format="none"``, keep plain state. A non-finite gradient element,
+    or one whose buffer would overflow, is skipped: its parameter and buffer keep their values.
+
+    Args:
+        params (iterable): parameters or dicts defining parameter groups.
+        lr (float or Tensor, optional): learning rate. Default: ``1e-3``.
+        momentum (float, optional): momentum factor. Default: ``0``.
+        dampening (float, optional): dampening for momentum. Default: ``0``.
+        weight_decay (float, optional): L2 penalty. Default: ``0``.
+        nesterov (bool, optional): Nesterov momentum. Default: ``False``.
+        maximize (bool, optional): maximize the objective. Default: ``False``.
+        state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
+        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`.
+    """
+
+    STATE_KEYS = ("momentum_buffer",)
+    REQUIRED_GROUP_KEYS = ("params", "lr", "momentum", "dampening", "weight_decay", "nesterov")
+    STEP_OPTIONAL = True
+    update_fn = staticmethod(sgd_update)
+
+    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
+                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True,
+                 fused=None, foreach=None, capturable=False, differentiable=False):
+        _check(lr, momentum, dampening, weight_decay, nesterov)
+        check_storage(block_size, min_quant_size)
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
+                        maximize=maximize, state_format=state_format, block_size=block_size,
+                        min_quant_size=min_quant_size)
+        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
+                         differentiable=differentiable)
+
+    def _check_hyperparams(self, group) -> None:
+        for key in ("momentum", "dampening", "weight_decay"):
+            as_float(group, key)
+        for key in ("nesterov", "maximize"):
+            check_bool(group, key)
+        _check(group["lr"], group["momentum"], group["dampening"], group["weight_decay"], group["nesterov"])
+
+    def _state_keys(self, group, p=None):
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _hyperparam_values(self, group):
+        return (group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+
+    def _coefficients(self, steps, hp, group):
+        return sgd_coefficients(steps, hp)
+
+    def _fused_rule(self, group):
+        return SGD_RULE if group["momentum"] != 0 else None
+
+    def _launch_flags(self, group):
+        return dict(maximize=group["maximize"], nesterov=group["nesterov"])
+
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+        buf = state.get("momentum_buffer") if group["momentum"] != 0 else None
+        p, grad, (buf,) = flat_aliases(p, p.grad, [buf])
+        self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"])
