@@ -1,8 +1,12 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
-from torchao_optim.optim import Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, dequantize_state_dict
+from torchao_optim.optim import (Adam, Adam4bit, Adam8bit, AdamDTQ8bit, AdamFp8, AdamW, AdamW4bit, AdamW8bit, AdamWFp8,
+                                 dequantize_state_dict)
 from torchao_optim.quant import create_dynamic_map
 from torchao_optim.state import (
     DTQ8bitTensor,
+    FourBitRank1Tensor,
+    FourBitTensor,
+    Fp8Tensor,
     QuantizedState,
     get_state_format,
     list_state_formats,
@@ -13,12 +17,19 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adam",
+    "Adam4bit",
     "Adam8bit",
     "AdamDTQ8bit",
+    "AdamFp8",
     "AdamW",
+    "AdamW4bit",
     "AdamW8bit",
+    "AdamWFp8",
     "dequantize_state_dict",
     "DTQ8bitTensor",
+    "FourBitRank1Tensor",
+    "FourBitTensor",
+    "Fp8Tensor",
     "QuantizedState",
     "create_dynamic_map",
     "get_state_format",
