@@ -13,7 +13,8 @@ from torchao_optim.testing import OptimizerConformanceCase
 # cannot see a 10% lr error (its fp32-state parameter can); its exact checks carry the weight.
 # 4bit: mean 0.237, max 0.762 (its 4-bit exp_avg is the coarse part: 16 levels); 4bit_rank1: mean 0.138, max 0.697
 # (these gradients' magnitudes vary by e^4 within a block, which rank-1 scales follow better). Bounds at 2-2.2x.
-PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "4bit": (0.5, 1.6), "4bit_rank1": (0.3, 1.5)}
+PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "4bit": (0.5, 1.6),
+                    "4bit_rank1": (0.3, 1.5)}
 
 
 def _fusable(fmt: str) -> bool:
