@@ -20,25 +20,19 @@ import difflib
 import importlib
 import inspect
 import json
-import math
 import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # render_finetune_table sits beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # optimizers.py, render_finetune_table.py sit here
+import optimizers  # noqa: E402  (the optimizer table every benchmark shares; it imports torchao_optim)
 from render_finetune_table import format_duration  # noqa: E402
-
-try:
-    import torchao_optim
-except ImportError:  # run from a checkout without installing: the package sits beside benchmarks/
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    import torchao_optim
 
 RESISC45_ID = "timm/resisc45"
 RESISC45_CLASSES = 45
@@ -80,48 +74,9 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-# ---- optimizers -------------------------------------------------------------------------------------
-OptimizerBuilder = Callable[..., torch.optim.Optimizer]
-
-
-def _bnb(class_name: str, optim_name: str) -> OptimizerBuilder:
-    def build(params, lr, weight_decay, compile=True):
-        bnb = require("bitsandbytes", f"--optim {optim_name}")
-        return getattr(bnb.optim, class_name)(params, lr=lr, weight_decay=weight_decay)
-
-    return build
-
-
-def optimizer_builders() -> Dict[str, Tuple[str, OptimizerBuilder]]:
-    """``--optim`` name -> (description, ``build(params, lr, weight_decay, compile=True)``).
-
-    ``compile`` applies to torchao_optim's optimizers only (fusing each update with torch.compile).
-    """
-    builders: Dict[str, Tuple[str, OptimizerBuilder]] = {
-        "Adam": ("torch.optim.Adam (fp32 state)",
-                 lambda params, lr, weight_decay, compile=True: torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)),
-        "AdamW": ("torch.optim.AdamW (fp32 state)",
-                  lambda params, lr, weight_decay, compile=True: torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)),
-        "AdamBnb8bit": ("bitsandbytes.optim.Adam8bit", _bnb("Adam8bit", "AdamBnb8bit")),
-        "AdamWBnb8bit": ("bitsandbytes.optim.AdamW8bit", _bnb("AdamW8bit", "AdamWBnb8bit")),
-        "AdamDTQ8bit": ("torchao_optim.AdamDTQ8bit (8-bit dtq8 state)",
-                        lambda params, lr, weight_decay, compile=True: torchao_optim.AdamDTQ8bit(
-                            params, lr=lr, weight_decay=weight_decay, compile=compile)),
-        "AdamWDTQ8bit": ("torchao_optim.AdamW8bit (8-bit dtq8 state)",
-                         lambda params, lr, weight_decay, compile=True: torchao_optim.AdamW8bit(
-                             params, lr=lr, weight_decay=weight_decay, compile=compile)),
-    }
-    for fmt in torchao_optim.list_state_formats():
-        for cls in (torchao_optim.Adam, torchao_optim.AdamW):
-            def build(params, lr, weight_decay, compile=True, _cls=cls, _fmt=fmt):
-                return _cls(params, lr=lr, weight_decay=weight_decay, state_format=_fmt, compile=compile)
-
-            builders[f"{cls.__name__}-{fmt}"] = (f"torchao_optim.{cls.__name__}(state_format={fmt!r})", build)
-    return builders
-
-
+# ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 def optimizer_names() -> List[str]:
-    return list(optimizer_builders())
+    return optimizers.names()
 
 
 def _unknown(kind: str, name: str, known: Sequence[str], show_all: bool = True) -> BenchmarkError:
@@ -134,29 +89,25 @@ def _unknown(kind: str, name: str, known: Sequence[str], show_all: bool = True) 
 
 def check_optimizer(name: str) -> None:
     """Raise BenchmarkError if ``name`` is unknown or its package is missing."""
-    builders = optimizer_builders()
-    if name not in builders:
-        raise _unknown("optimizer", name, list(builders))
-    if "Bnb" in name:
-        require("bitsandbytes", f"--optim {name}")
+    if optimizers.resolve(name) is None:
+        raise _unknown("optimizer", name, optimizer_names())
+    missing = optimizers.missing_package(name)
+    if missing is not None:
+        require(missing[0], f"--optim {name}")
 
 
 def make_optimizer(name: str, params: Iterable, lr: float, weight_decay: float = 0.0,
                    compile: bool = True) -> torch.optim.Optimizer:
-    """The optimizer ``--optim name`` selects, over ``params``."""
+    """The optimizer ``--optim name`` selects, over ``params``; ``compile`` applies to torchao_optim's only."""
     check_optimizer(name)
-    return optimizer_builders()[name][1](params, lr, weight_decay, compile=compile)
+    return optimizers.build(name, params, lr=lr, weight_decay=weight_decay, compile=compile)
 
 
 # ---- learning rate ----------------------------------------------------------------------------------
 def cosine_lr(step: int, total_steps: int, base_lr: float, warmup_steps: int, final_lr: float = 0.0) -> float:
     """The learning rate for 0-based ``step``: linear warm-up to ``base_lr`` over ``warmup_steps`` steps,
-    then a cosine decay to ``final_lr`` at ``total_steps``. A pure function of its arguments."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return base_lr * (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return final_lr + 0.5 * (base_lr - final_lr) * (1.0 + math.cos(math.pi * progress))
+    then a cosine decay to ``final_lr`` at ``total_steps`` (:func:`optimizers.lr_at`)."""
+    return optimizers.lr_at(step, base_lr, warmup_steps, total_steps, final_lr / base_lr if base_lr else 0.0)
 
 
 # ---- data -------------------------------------------------------------------------------------------
@@ -458,7 +409,8 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="bf16",
                    help="autocast dtype; fp16 adds a GradScaler and needs CUDA")
     p.add_argument("--optim", default="AdamWDTQ8bit", metavar="NAME",
-                   help="one of: " + "; ".join(f"{name} = {desc}" for name, (desc, _) in optimizer_builders().items()))
+                   help="one of: " + "; ".join(f"{e.name} = {e.description}"
+                                               for e in optimizers.optimizer_table().values()))
     p.add_argument("--no_optim_compile", action="store_true",
                    help="run torchao_optim's optimizer updates eagerly instead of compiled")
     p.add_argument("--lr", type=_non_negative_float, default=1e-4, help="learning rate (the peak, with a schedule)")

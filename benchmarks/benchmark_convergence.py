@@ -13,9 +13,9 @@ Optimizers (``--optims``, comma separated):
 - ``AdamW-<format>``: ``torchao_optim.AdamW(..., state_format=<format>)``, for every registered format
   (``torchao_optim.list_state_formats()``) and ``none`` (fp32 state through our update);
 - ``bnb``: ``bitsandbytes.optim.AdamW8bit``; ``torchao``: ``torchao.optim.AdamW8bit`` (if installed);
-- ``SGD``/``SGD8bit``/``SGD-qos``, ``Lion``/``Lion8bit``, ``Muon``/``Muon8bit``, ``AdamW-qos``, ``bnb-SGD8bit``,
-  ``bnb-Lion8bit``: the other optimizers against their fp32 forms (``-qos``: a stock optimizer through
-  ``quantize_optimizer_state``); see ``_other_rules``.
+- ``SGD``/``SGD8bit``/``SGDTorchQuantized``, ``Lion``/``Lion8bit``, ``Muon``/``Muon8bit``, ``AdamWTorchQuantized``, ``SGDBnb8bit``,
+  ``LionBnb8bit``: the other optimizers against their fp32 forms (``*TorchQuantized``: a stock optimizer through
+  ``quantize_optimizer_state``); see ``benchmarks/optimizers.py``.
 
 The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format not already
 covered by ``AdamW8bit``, over seeds 0 and 1, with the ``small`` model: a few minutes on a 2-core CPU.
@@ -42,20 +42,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)  # gpt.py, stdlib_corpus.py
-try:
-    import torchao_optim
-except ImportError:  # not installed: use the checkout this script belongs to
-    sys.path.insert(1, os.path.dirname(HERE))
-    import torchao_optim
+sys.path.insert(0, HERE)  # gpt.py, stdlib_corpus.py, optimizers.py
+import optimizers  # noqa: E402  (the optimizer table every benchmark shares; puts this checkout first)
+import torchao_optim  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from optimizers import lr_at, set_lr, state_nbytes  # noqa: E402,F401  (lr_at: part of this script's API)
 from stdlib_corpus import load_stdlib_corpus  # noqa: E402
-from torchao_optim.state import QuantizedState  # noqa: E402
 
 REFERENCE = "AdamW"
 ALIASES = {"AdamW8bit": "dtq8"}  # our named optimizers, and the state format each one is
@@ -86,128 +83,13 @@ PRESETS: Dict[str, Preset] = {
 }
 
 
-# ---- optimizers ----------------------------------------------------------------------------------------
-
-OptimizerFactory = Callable[..., torch.optim.Optimizer]
-
-
-def _ours(state_format: str) -> OptimizerFactory:
-    def make(groups, lr, betas, eps):
-        return torchao_optim.AdamW(groups, lr=lr, betas=betas, eps=eps, state_format=state_format, compile=True)
-
-    return make
-
-
-def _peer(module: str, pip_name: str) -> OptimizerFactory:
-    def make(groups, lr, betas, eps):
-        import importlib
-
-        return importlib.import_module(module).AdamW8bit(groups, lr=lr, betas=betas, eps=eps)
-
-    make.requires = (module.split(".")[0], pip_name)
-    return make
-
-
-def optimizer_factories() -> Dict[str, OptimizerFactory]:
-    """Every optimizer name ``--optims`` accepts, and how to build it from parameter groups."""
-    factories: Dict[str, OptimizerFactory] = {
-        REFERENCE: lambda groups, lr, betas, eps: torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps),
-        "AdamW8bit": lambda groups, lr, betas, eps: torchao_optim.AdamW8bit(groups, lr=lr, betas=betas, eps=eps,
-                                                                           compile=True),
-    }
-    for fmt in torchao_optim.list_state_formats() + ["none"]:
-        factories[f"AdamW-{fmt}"] = _ours(fmt)
-    factories["bnb"] = _peer("bitsandbytes.optim", "bitsandbytes")
-    factories["torchao"] = _peer("torchao.optim", "torchao")
-    factories.update(_other_rules())
-    return factories
-
-
-def _scaled(optimizer, scale: float):
-    optimizer.lr_scale = scale  # set_lr multiplies the schedule's AdamW lr by it
-    return optimizer
-
-
-def _other_rules() -> Dict[str, OptimizerFactory]:
-    """The one-state optimizers, each against its full-precision form (not in the default list: compare each with
-    its fp32 row, not AdamW's). SGD's lr is 50x AdamW's, Lion's a third (the Lion paper's advice); Muon matches
-    AdamW's update size (``adjust_lr_fn="match_rms_adamw"``); ``-qos``: ``quantize_optimizer_state``."""
-    o = torchao_optim
-    f: Dict[str, OptimizerFactory] = {
-        "SGD": lambda g, lr, betas, eps: _scaled(torch.optim.SGD(g, lr=lr * 50, momentum=0.9), 50),
-        "SGD8bit": lambda g, lr, betas, eps: _scaled(o.SGD8bit(g, lr=lr * 50, momentum=0.9), 50),
-        "SGD-qos": lambda g, lr, betas, eps: _scaled(o.quantize_optimizer_state(
-            torch.optim.SGD(g, lr=lr * 50, momentum=0.9, foreach=True)), 50),
-        "AdamW-qos": lambda g, lr, betas, eps: o.quantize_optimizer_state(
-            torch.optim.AdamW(g, lr=lr, betas=betas, eps=eps, foreach=True)),
-        "Lion": lambda g, lr, betas, eps: _scaled(o.Lion8bit(g, lr=lr / 3, state_format="none"), 1 / 3),
-        "Lion8bit": lambda g, lr, betas, eps: _scaled(o.Lion8bit(g, lr=lr / 3), 1 / 3),
-        "Muon": lambda g, lr, betas, eps: o.Muon8bit(g, lr=lr, adjust_lr_fn="match_rms_adamw", state_format="none"),
-        "Muon8bit": lambda g, lr, betas, eps: o.Muon8bit(g, lr=lr, adjust_lr_fn="match_rms_adamw"),
-    }
-    for name, scale in (("SGD8bit", 50), ("Lion8bit", 1 / 3)):
-        def make(g, lr, betas, eps, name=name, scale=scale):
-            import importlib
-
-            cls = getattr(importlib.import_module("bitsandbytes.optim"), name)
-            kw = dict(momentum=0.9) if name == "SGD8bit" else {}
-            return _scaled(cls(g, lr=lr * scale, **kw), scale)
-
-        make.requires = ("bitsandbytes", "bitsandbytes")
-        f[f"bnb-{name}"] = make
-    return f
+# ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
 def default_optims() -> List[str]:
     """AdamW, AdamW8bit, and every registered format that no alias above already covers."""
     covered = set(ALIASES.values())
     return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in torchao_optim.list_state_formats() if f not in covered]
-
-
-def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Assign the step's learning rate, a Python float, to every group. (torchao's optimizers keep ``lr``
-    as a tensor and reject a float, so theirs is filled in place.)"""
-    lr = lr * getattr(optimizer, "lr_scale", 1.0)
-    for group in optimizer.param_groups:
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
-
-
-def lr_at(step: int, peak: float, warmup: int, total: int, final_frac: float = 0.1) -> float:
-    """Linear warm-up to ``peak`` over ``warmup`` steps, then a cosine decay to ``final_frac * peak``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state``, tensor subclasses counted by their inner tensors, each
-    storage counted once (torchao's subclasses, for instance, may share a code table)."""
-    seen = set()
-    total = 0
-
-    def add(t: torch.Tensor) -> None:
-        nonlocal total
-        if isinstance(t, QuantizedState):
-            for inner in t.fields().values():
-                add(inner)
-        elif type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # another library's subclass
-            for name in t.__tensor_flatten__()[0]:
-                add(getattr(t, name))
-        else:
-            key = (t.device, t.data_ptr(), t.numel(), t.dtype)
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                add(value)
-    return total
 
 
 def compiled_graph_count() -> int:
@@ -265,7 +147,9 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
     init_checksum = sum(p.double().sum().item() for p in model.parameters())
     model.to(device)
     groups = model.param_groups(args.weight_decay)
-    optimizer = optimizer_factories()[name](groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps)
+    # weight decay is set per group (model.param_groups); 0 here only fills the groups that do not set it
+    optimizer = optimizers.build(name, groups, lr=args.lr, weight_decay=0.0, betas=(args.beta1, args.beta2),
+                                 eps=args.eps, compile=True)
     batch_gen = torch.Generator().manual_seed(seed)  # same batches in the same order for every optimizer
 
     val_curve = [(0, evaluate(model, val_batches, device))]
@@ -454,10 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--optims", default=",".join(default_optims()),
-                        help="comma-separated optimizers: AdamW (torch.optim.AdamW), AdamW8bit "
-                             "(torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) for FMT in "
-                             f"{', '.join(torchao_optim.list_state_formats() + ['none'])}, bnb "
-                             "(bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit). Default: %(default)s")
+                        help="comma-separated optimizers of benchmarks/optimizers.py: AdamW (torch.optim.AdamW), "
+                             "AdamW8bit (torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) "
+                             f"for FMT in {', '.join(torchao_optim.list_state_formats() + ['none'])}, AdamW4bit, "
+                             "AdamWFp8, bnb (bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit), "
+                             "AdamWTorchao4bit, AdamWTorchaoFp8, ... Default: %(default)s")
     parser.add_argument("--model_size", default="small", choices=list(PRESETS),
                         help="model preset, see below. Default: %(default)s")
     parser.add_argument("--steps", type=int, default=None, help="training steps. Default: the preset's")
@@ -518,19 +403,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if not args.seeds:
         fail("--seeds is empty")
 
-    factories = optimizer_factories()
     args.optims = [o.strip() for o in args.optims.split(",") if o.strip()]
     for name in args.optims:
-        if name not in factories:
-            fail(f"unknown optimizer {name!r}; choose from {', '.join(factories)}")
-        requires = getattr(factories[name], "requires", None)
-        if requires is not None:
-            module, pip_name = requires
-            try:
-                __import__(module)
-            except Exception as err:  # ImportError, or a broken install that fails while importing
-                fail(f"--optims {name} needs {pip_name}, which could not be imported ({type(err).__name__}: "
-                     f"{str(err).splitlines()[0] if str(err) else ''}); pip install {pip_name}")
+        if optimizers.resolve(name) is None:
+            fail(f"unknown optimizer {name!r}; choose from {', '.join(optimizers.names())}")
+        missing = optimizers.missing_package(name)
+        if missing is not None:
+            fail(f"--optims {name} needs {missing[1]}, which could not be imported; pip install {missing[1]}")
     if len(set(args.optims)) != len(args.optims) or not args.optims:
         fail(f"--optims must name each optimizer once, got {args.optims}")
     return args

@@ -5,11 +5,14 @@ For each parameter geometry and dtype it measures, for every optimizer in one ru
 - the first step (compile included; caches are cold unless --warm-cache),
 - the step time when the learning rate changes every step (as a Python float, like a scheduler),
 - optimizer-state bytes per parameter and the step's transient peak memory (CUDA),
-and prints each time's ratio to the bandwidth floor (bytes the step must move / copy bandwidth measured
-in the same run) and to torch's fused AdamW. Writes JSON and a PNG bar chart.
+and prints each time's ratio to the bandwidth floor (bytes the step must move with that optimizer's own state
+bytes / copy bandwidth measured in the same run) and to torch's fused AdamW. Writes JSON and a PNG bar chart.
 
     python benchmarks/benchmark_step.py                          # GPU: vit_b and llama_1b, fp32 and bf16
     python benchmarks/benchmark_step.py --device cpu             # CPU: the 25.7M-param GPT geometry
+
+Optimizer names are those of ``benchmarks/optimizers.py`` (``--optims AdamWTorchFused,AdamW-4bit,...``; the
+older ``torch_fused``, ``ours_<format>``, ``ours_<format>_compiled``, ``bnb_8bit``, ``torchao_8bit`` still work).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ if "--warm-cache" not in sys.argv:  # cold caches, so that the first step includ
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import optimizers  # noqa: E402  (the optimizer table every benchmark shares)
 import torchao_optim  # noqa: E402
-from torchao_optim.state import QuantizedState  # noqa: E402
 
 Shape = Tuple[int, ...]
 
@@ -70,72 +74,28 @@ GEOMETRIES: Dict[str, Callable[[], List[Shape]]] = {
 
 
 # ---- optimizers ------------------------------------------------------------------------------------
-def optimizer_factories(device: str) -> Dict[str, Callable]:
-    """name -> factory(params); peers only where installed (the reason is printed otherwise)."""
-    f: Dict[str, Callable] = {
-        "torch_fused": lambda ps: torch.optim.AdamW(ps, fused=True),
-        "torch_foreach": lambda ps: torch.optim.AdamW(ps, foreach=True),
-    }
+def default_optims(device: str) -> List[str]:
+    """torch's fused and foreach AdamW, AdamW with every registered format (and its compiled path on CUDA), and
+    the peers that are installed (the reason is printed for the others)."""
+    names = ["AdamWTorchFused", "AdamWTorchForeach"]
     for fmt in torchao_optim.list_state_formats():
-        f[f"ours_{fmt}"] = (lambda fmt: lambda ps: torchao_optim.AdamW(ps, state_format=fmt))(fmt)
+        names.append(f"AdamW-{fmt}")
         if device == "cuda":
-            f[f"ours_{fmt}_compiled"] = (lambda fmt: lambda ps: torchao_optim.AdamW(ps, state_format=fmt,
-                                                                                     fused=False))(fmt)
-    # the one-state optimizers against their full-precision forms ("x floor" is against Adam's two-state floor)
-    f["torch_sgd_foreach"] = lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True)
-    f["ours_sgd8bit"] = lambda ps: torchao_optim.SGD8bit(ps, lr=1e-3, momentum=0.9)
-    f["ours_lion_fp32"] = lambda ps: torchao_optim.Lion8bit(ps, state_format="none")
-    f["ours_lion8bit"] = lambda ps: torchao_optim.Lion8bit(ps)
-    f["torch_foreach_quantized"] = lambda ps: torchao_optim.quantize_optimizer_state(
-        torch.optim.AdamW(ps, foreach=True))
-    try:
-        import bitsandbytes as bnb
-
-        f["bnb_8bit"] = lambda ps: bnb.optim.AdamW8bit(ps)
-        f["bnb_sgd8bit"] = lambda ps: bnb.optim.SGD8bit(ps, lr=1e-3, momentum=0.9)
-        f["bnb_lion8bit"] = lambda ps: bnb.optim.Lion8bit(ps)
-    except Exception as err:  # ImportError, or a broken native library
-        print(f"[skip] bitsandbytes: {type(err).__name__}: {err}".splitlines()[0])
-    try:
-        from torchao.optim import AdamW8bit as TorchaoAdamW8bit
-
-        f["torchao_8bit"] = lambda ps: TorchaoAdamW8bit(ps)
-    except Exception as err:
-        print(f"[skip] torchao: {type(err).__name__}: {err}".splitlines()[0])
-    return f
-
-
-# ---- measurement -----------------------------------------------------------------------------------
-def state_bytes(opt) -> int:
-    total = 0
-    for state in opt.state.values():
-        for value in state.values():
-            if isinstance(value, QuantizedState):
-                total += sum(t.numel() * t.element_size() for t in value.fields().values())
-            elif isinstance(value, torch.Tensor) and value.dim() > 0:
-                inner = getattr(value, "__tensor_flatten__", None)
-                if inner is not None:  # another project's tensor subclass
-                    total += sum(getattr(value, n).numel() * getattr(value, n).element_size() for n in inner()[0])
-                else:
-                    total += value.numel() * value.element_size()
-    return total
-
-
-def floor_bytes(shapes: List[Shape], param_bytes: int, quantized: bool, min_quant_size: int = 4096) -> int:
-    """Bytes one step must read and write: param and grad read, param written; states read and written.
-    Quantized: 1 byte per element and 4 per 256-element block (fp32 below min_quant_size). Not quantized:
-    torch.optim's states, which have the parameter's dtype."""
-    total = 0
-    for s in shapes:
-        n = 1
-        for d in s:
-            n *= d
-        if quantized:
-            state = (2 * n + 2 * 4 * ((n + 255) // 256)) if n >= min_quant_size else 2 * 4 * n
+            names.append(f"AdamWCompiled-{fmt}")
+    for peer in ("AdamWBnb8bit", "AdamWTorchao8bit", "AdamWTorchao4bit", "AdamWTorchaoFp8"):
+        missing = optimizers.missing_package(peer)
+        if missing:
+            print(f"[skip] {peer}: cannot import {missing[0]} (pip install {missing[1]})")
         else:
-            state = 2 * param_bytes * n
-        total += 3 * param_bytes * n + 2 * state
-    return total
+            names.append(peer)
+    return names
+
+
+def floor_bytes(n_params: int, param_bytes: int, state_bytes: int) -> int:
+    """Bytes one step must move: param and grad read, param written, every state byte read and written. With
+    the optimizer's own state bytes, so each format is measured against the floor of its own byte count
+    (fp32 state: 28 bytes per fp32 parameter; 8-bit: about 16; 4-bit: about 14)."""
+    return 3 * param_bytes * n_params + 2 * state_bytes
 
 
 def copy_bandwidth(device: str) -> float:
@@ -143,24 +103,11 @@ def copy_bandwidth(device: str) -> float:
     n = (1 << 28) if device == "cuda" else (1 << 25)
     src = torch.empty(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    times = [_time(lambda: dst.copy_(src), device) for _ in range(10)]
+    times = [optimizers.time_call(lambda: dst.copy_(src), device) for _ in range(10)]
     return 2 * 4 * n / statistics.median(times[2:])
 
 
-def _time(fn, device: str) -> float:
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def bench_one(name, factory, shapes, dtype, device, steps, warmup) -> Dict:
+def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
     torch._dynamo.reset()
     gen = torch.Generator(device="cpu").manual_seed(0)
     params = []
@@ -168,7 +115,7 @@ def bench_one(name, factory, shapes, dtype, device, steps, warmup) -> Dict:
         p = torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype) * 0.02)
         p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
         params.append(p)
-    opt = factory(params)
+    opt = optimizers.build(name, params)
     t0 = time.perf_counter()
     opt.step()
     if device == "cuda":
@@ -176,22 +123,17 @@ def bench_one(name, factory, shapes, dtype, device, steps, warmup) -> Dict:
     first = time.perf_counter() - t0
     for _ in range(warmup):
         opt.step()
-    times = [_time(opt.step, device) for _ in range(steps)]
+    times = [optimizers.time_call(opt.step, device) for _ in range(steps)]
 
     def step_new_lr(i=[0]):
         i[0] += 1
-        lr = 1e-3 * (1 + 1e-3 * (i[0] % 100))
-        for g in opt.param_groups:
-            if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses floats
-                g["lr"].fill_(lr)
-            else:
-                g["lr"] = lr
+        optimizers.set_lr(opt, 1e-3 * (1 + 1e-3 * (i[0] % 100)))
         opt.step()
 
     step_new_lr()
-    lr_times = [_time(step_new_lr, device) for _ in range(steps)]
+    lr_times = [optimizers.time_call(step_new_lr, device) for _ in range(steps)]
     out = dict(name=name, first_step_s=first, step_ms=1e3 * statistics.median(times),
-               step_lr_change_ms=1e3 * statistics.median(lr_times), state_bytes=state_bytes(opt))
+               step_lr_change_ms=1e3 * statistics.median(lr_times), state_bytes=optimizers.state_nbytes(opt))
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -229,12 +171,14 @@ def main(argv=None):
     geometries = (args.geometries or ("vit_b,llama_1b" if device == "cuda" else "gpt25m")).split(",")
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     steps = args.steps or (50 if device == "cuda" else 10)
-    factories = optimizer_factories(device)
-    if args.optims:
-        unknown = set(args.optims.split(",")) - set(factories)
-        if unknown:
-            sys.exit(f"unknown or unavailable optimizers: {sorted(unknown)}; available: {sorted(factories)}")
-        factories = {k: v for k, v in factories.items() if k in args.optims.split(",")}
+    names = args.optims.split(",") if args.optims else default_optims(device)
+    unknown = [n for n in names if optimizers.resolve(n) is None]
+    if unknown:
+        sys.exit(f"unknown optimizers: {unknown}; known: {', '.join(optimizers.names())}")
+    unavailable = [f"{n} (pip install {optimizers.missing_package(n)[1]})" for n in names
+                   if optimizers.missing_package(n)]
+    if unavailable:
+        sys.exit(f"optimizers whose package is missing: {', '.join(unavailable)}")
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth(device)
@@ -248,30 +192,29 @@ def main(argv=None):
         n_params = sum(torch.Size(s).numel() for s in shapes)
         for dname in args.dtypes.split(","):
             dtype = dtypes[dname]
-            floor8 = floor_bytes(shapes, dtype.itemsize, quantized=True) / bandwidth * 1e3
-            floor32 = floor_bytes(shapes, dtype.itemsize, quantized=False) / bandwidth * 1e3
-            print(f"\n## {geo} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {dname} params: "
-                  f"floor {floor8:.3f} ms (8-bit state), {floor32:.3f} ms (torch.optim's state)")
+            print(f"\n## {geo} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {dname} params; the floor "
+                  f"of each optimizer is its own bytes moved (params, grads, its state) over the copy bandwidth")
             rows = []
-            for name, factory in factories.items():
+            for name in names:
                 try:
-                    r = bench_one(name, factory, shapes, dtype, device, steps, args.warmup)
+                    r = bench_one(name, shapes, dtype, device, steps, args.warmup)
                 except Exception as err:
                     print(f"[fail] {name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
                     continue
-                quantized = r["state_bytes"] < 4 * n_params
-                r.update(geometry=geo, dtype=dname, n_params=n_params, n_tensors=len(shapes),
-                         floor_ms=floor8 if quantized else floor32, state_bytes_per_param=r["state_bytes"] / n_params)
+                floor_ms = floor_bytes(n_params, dtype.itemsize, r["state_bytes"]) / bandwidth * 1e3
+                r.update(geometry=geo, dtype=dname, n_params=n_params, n_tensors=len(shapes), floor_ms=floor_ms,
+                         state_bytes_per_param=r["state_bytes"] / n_params)
                 rows.append(r)
-            fused = next((r["step_ms"] for r in rows if r["name"] == "torch_fused"), None)
-            print(f"| optimizer | step ms | x floor | x torch fused | lr-change ms | first step s | state B/param |"
-                  + (" transient MB |" if device == "cuda" else ""))
-            print("|---|---|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
+            fused = next((r["step_ms"] for r in rows if optimizers.resolve(r["name"]) == "AdamWTorchFused"), None)
+            print("| optimizer | step ms | floor ms | x floor | x torch fused | lr-change ms | first step s | "
+                  "state B/param |" + (" transient MB |" if device == "cuda" else ""))
+            print("|---|---|---|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
             for r in rows:
                 r["x_floor"] = r["step_ms"] / r["floor_ms"]
                 r["x_torch_fused"] = r["step_ms"] / fused if fused else None
-                print(f"| {r['name']} | {r['step_ms']:.3f} | {r['x_floor']:.2f} | "
-                      f"{r['x_torch_fused']:.2f} | {r['step_lr_change_ms']:.3f} | {r['first_step_s']:.1f} | "
+                x_fused = "" if r["x_torch_fused"] is None else f"{r['x_torch_fused']:.2f}"
+                print(f"| {r['name']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {x_fused} | "
+                      f"{r['step_lr_change_ms']:.3f} | {r['first_step_s']:.1f} | "
                       f"{r['state_bytes_per_param']:.2f} |"
                       + (f" {r['transient_peak_mb']:.1f} |" if device == "cuda" else ""))
             results += rows
@@ -296,7 +239,8 @@ def _plot(results, path):
     for ax, (geo, dt) in zip(axes[0], cases):
         rows = [r for r in results if (r["geometry"], r["dtype"]) == (geo, dt)]
         ax.barh([r["name"] for r in rows], [r["step_ms"] for r in rows])
-        ax.axvline(min(r["floor_ms"] for r in rows), color="k", ls="--", label="8-bit floor")
+        ax.scatter([r["floor_ms"] for r in rows], [r["name"] for r in rows], color="k", marker="|", s=200,
+                   label="floor (own bytes)")
         ax.set_xscale("log")
         ax.set_xlabel("step time (ms, log)")
         ax.set_title(f"{geo}, {dt} params")

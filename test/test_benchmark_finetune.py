@@ -33,19 +33,8 @@ bench = _load("benchmark_adam_8bit")
 render = _load("render_finetune_table")
 
 
-def _importable(name):
-    try:
-        __import__(name)
-    except Exception:
-        return False
-    return True
-
-
-HAVE_BNB = _importable("bitsandbytes")
-
-
 def _available_optimizers():
-    return [n for n in bench.optimizer_names() if HAVE_BNB or "Bnb" not in n]
+    return [n for n in bench.optimizer_names() if bench.optimizers.missing_package(n) is None]
 
 
 def _error_line(capsys):
@@ -72,7 +61,9 @@ def test_make_optimizer_builds_and_steps(name):
     torch.manual_seed(0)
     model = nn.Linear(128, 64)  # 8192 weights: past min_quant_size, so our formats quantize them
     opt = bench.make_optimizer(name, model.parameters(), lr=3e-4, weight_decay=0.01, compile=False)
-    assert opt.param_groups[0]["lr"] == 3e-4 and opt.param_groups[0]["weight_decay"] == 0.01
+    scale = getattr(opt, "lr_scale", 1.0)  # SGD and Lion run at a multiple of AdamW's lr (benchmarks/optimizers.py)
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-4 * scale)
+    assert opt.param_groups[0]["weight_decay"] == pytest.approx(0.01 / scale)
     before = model.weight.detach().clone()
     model(torch.randn(8, 128)).square().mean().backward()
     opt.step()
@@ -88,8 +79,9 @@ def test_make_optimizer_builds_and_steps(name):
         assert isinstance(opt, cls) and opt.param_groups[0]["state_format"] == name.split("-", 1)[1]
     if isinstance(opt, torchao_optim.Adam):
         assert opt.param_groups[0]["decoupled_weight_decay"] == name.startswith("AdamW")
-        fmt = torchao_optim.get_state_format(opt.param_groups[0]["state_format"])
-        assert isinstance(opt.state[model.weight]["exp_avg"], fmt)
+        state_format = opt.param_groups[0]["state_format"]
+        fmt = torch.Tensor if state_format == "none" else torchao_optim.get_state_format(state_format)
+        assert type(opt.state[model.weight]["exp_avg"]) is fmt
     if "Bnb" in name:
         assert type(opt).__module__.startswith("bitsandbytes")
 
@@ -105,7 +97,7 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch, capsys):
 # ---- argument checks and their errors -------------------------------------------------------------------
 @pytest.mark.parametrize("argv, message", [
     (["--optim", "nope"], r"unknown optimizer 'nope' \(choose from: Adam, AdamW, "),
-    (["--optim", "AdamW8bit"], r"unknown optimizer 'AdamW8bit'; did you mean 'AdamWDTQ8bit'"),
+    (["--optim", "AdamWDTQ8bt"], r"unknown optimizer 'AdamWDTQ8bt'; did you mean 'AdamWDTQ8bit'"),
     (["--amp", "fp8"], r"argument --amp: invalid choice: 'fp8'"),
     (["--batch_size", "0"], r"--batch_size: expected a positive integer"),
     (["--lr", "-1"], r"--lr: expected a non-negative number"),

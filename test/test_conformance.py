@@ -3,7 +3,7 @@ conformance case: one generated test class per (format, executor), nothing liste
 where the fused executor cannot run; without CUDA it runs in Triton's interpreter (conftest.py)."""
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
 
-from torchao_optim import list_state_formats
+from torchao_optim import get_state_format, list_state_formats
 from torchao_optim.testing import OptimizerConformanceCase
 
 # Formats coarser than the case's 8-bit bound: (mean, max) of |p - p_ref| / sum(lr). Measured over the case's
@@ -11,7 +11,20 @@ from torchao_optim.testing import OptimizerConformanceCase
 # than dtq8's near the top); test_linear4 mean 0.27, max 0.79 (an even 4-bit grid rounds small exp_avg_sq values
 # up to 1/15 of the block's absmax, so small-gradient elements barely move). Bounds at 2-2.4x. The 4-bit bound
 # cannot see a 10% lr error (its fp32-state parameter can); its exact checks carry the weight.
-PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6)}
+# 4bit: mean 0.237, max 0.762 (its 4-bit exp_avg is the coarse part: 16 levels); 4bit_rank1: mean 0.138, max 0.697
+# (these gradients' magnitudes vary by e^4 within a block, which rank-1 scales follow better). Bounds at 2-2.2x.
+PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "4bit": (0.5, 1.6),
+                    "4bit_rank1": (0.3, 1.5)}
+
+
+def _fusable(fmt: str) -> bool:
+    """Whether the format describes both of Adam's states of a matrix as a StateLayout (the fused executor's
+    input). A format that does not (rank-1 scales) has no fused executor to conform to: its fused class would
+    only test the compiled path again."""
+    if fmt == "none":
+        return True
+    cls = get_state_format(fmt)
+    return all(cls.zeros((4, 128), signed=signed).fast_path_layout() is not None for signed in (True, False))
 
 
 def _class_name(fmt: str, executor: str) -> str:
@@ -19,7 +32,7 @@ def _class_name(fmt: str, executor: str) -> str:
 
 
 for _fmt in ["none"] + list_state_formats():
-    for _executor in ("compiled", "fused"):
+    for _executor in ("compiled", "fused") if _fusable(_fmt) else ("compiled",):
         _attrs = {"format_name": _fmt, "executor": _executor, "__module__": __name__}
         if _fmt in PARITY_TOLERANCE:
             _attrs["parity_tolerance"] = PARITY_TOLERANCE[_fmt]

@@ -1,12 +1,15 @@
 import pytest
 
-from torchao_optim import DTQ8bitTensor, get_state_format, list_state_formats, register_state_format
+from torchao_optim import (DTQ8bitTensor, FourBitRank1Tensor, FourBitTensor, Fp8Tensor, get_state_format,
+                           list_state_formats, register_state_format)
 from torchao_optim.state import QuantizedState
 
 
 def test_builtin_formats():
-    assert "dtq8" in list_state_formats()
-    assert get_state_format("dtq8") is DTQ8bitTensor
+    builtin = {"dtq8": DTQ8bitTensor, "4bit": FourBitTensor, "4bit_rank1": FourBitRank1Tensor, "fp8": Fp8Tensor}
+    assert set(builtin) <= set(list_state_formats())
+    for name, cls in builtin.items():
+        assert get_state_format(name) is cls and cls.format_name == name
 
 
 def test_unknown_name_lists_registered():

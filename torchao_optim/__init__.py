@@ -1,12 +1,16 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
 from torchao_optim.optim import (
-    SGD8bit, Adam, Adam8bit, AdamDTQ8bit, AdamW, AdamW8bit, Lion8bit, Muon8bit, dequantize_state_dict,
+    SGD8bit, Adam, Adam4bit, Adam8bit, AdamDTQ8bit, AdamFp8, AdamW, AdamW4bit, AdamW8bit, AdamWFp8, Lion8bit,
+    Muon8bit, dequantize_state_dict,
 )
 from torchao_optim.optim.overrides import overrides
 from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.quant import create_dynamic_map
 from torchao_optim.state import (
     DTQ8bitTensor,
+    FourBitRank1Tensor,
+    FourBitTensor,
+    Fp8Tensor,
     QuantizedState,
     get_state_format,
     list_state_formats,
@@ -17,18 +21,25 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Adam",
+    "Adam4bit",
     "Adam8bit",
     "AdamDTQ8bit",
+    "AdamFp8",
     "AdamW",
+    "AdamW4bit",
     "AdamW8bit",
     "Lion8bit",
     "Muon8bit",
     "SGD8bit",
+    "AdamWFp8",
     "dequantize_state_dict",
     "quantize_optimizer_state",
     "overrides",
     "UNSIGNED_STATE_KEYS",
     "DTQ8bitTensor",
+    "FourBitRank1Tensor",
+    "FourBitTensor",
+    "Fp8Tensor",
     "QuantizedState",
     "create_dynamic_map",
     "get_state_format",

@@ -13,7 +13,8 @@ from torchao_optim.optim.fused import ADAM
 from torchao_optim.optim.update import adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState
 
-__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "dequantize_state_dict"]
+__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
+           "dequantize_state_dict"]
 
 
 def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_size=0):
@@ -193,6 +194,25 @@ class AdamW8bit(AdamW):
 
 
 AdamDTQ8bit = Adam8bit
+
+
+def _with_format(base: type, name: str, state_format: str, what: str) -> type:
+    """``base`` with ``state_format`` fixed: the arguments are ``base``'s, without ``state_format``."""
+
+    def __init__(self, params, *args, **kwargs):
+        if "state_format" in kwargs:
+            raise TypeError(f"{name} always uses state_format={state_format!r}; use {base.__name__} to choose one")
+        base.__init__(self, params, *args, state_format=state_format, **kwargs)
+
+    doc = (f":class:`{base.__name__}` with {what} (``state_format={state_format!r}``).\n\n"
+           f"    Args: as :class:`{base.__name__}`, without ``state_format``.")
+    return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "__qualname__": name})
+
+
+Adam4bit = _with_format(Adam, "Adam4bit", "4bit", "4-bit state (blocks of 128)")
+AdamW4bit = _with_format(AdamW, "AdamW4bit", "4bit", "4-bit state (blocks of 128)")
+AdamFp8 = _with_format(Adam, "AdamFp8", "fp8", "8-bit float state (blocks of 256)")
+AdamWFp8 = _with_format(AdamW, "AdamWFp8", "fp8", "8-bit float state (blocks of 256)")
 
 
 def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:

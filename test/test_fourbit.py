@@ -1,0 +1,108 @@
+import torch
+
+import torchao_optim
+from torchao_optim import Adam4bit, AdamW4bit, FourBitRank1Tensor, FourBitTensor
+from torchao_optim.state.fourbit import linear_map_without_zero, quadratic_map
+from torchao_optim.testing import StateFormatTestCase
+
+
+class TestFourBit(StateFormatTestCase):
+    format_name = "4bit"
+    block_size = 128
+    # signed: half the widest gap of the quadratic map (49/64 to 1), and -1 (no -1.0 in the map, as in the
+    # dynamic map) stored as -49/64; unsigned: the linear map without zero stores values below 1/32 of the
+    # absmax as 1/16, an error of up to 1/16, and elsewhere rounds by half a step, 1/32
+    max_error = {True: 15 / 64, False: 1 / 16}
+
+    def test_repr_is_metadata_only(self):
+        self.assertExpectedInline(
+            repr(FourBitTensor.zeros((4, 1024), signed=True)),
+            """FourBitTensor(shape=(4, 1024), dtype=torch.float32, device=cpu, signed=True, block_size=128)""")
+
+    def test_fields(self):
+        x = torch.randn(3, 1001)
+        q = FourBitTensor.from_float(x, signed=True)
+        self.assertEqual((q.codes.dtype, tuple(q.codes.shape)), (torch.uint8, (1502,)))  # two codes per byte
+        self.assertEqual((q.absmax.dtype, tuple(q.absmax.shape)), (torch.float32, (24,)))  # ceil(3003 / 128)
+        layout = q.fast_path_layout()
+        self.assertEqual((layout.bits, layout.block_size, layout.codebook), (4, 128, quadratic_map()))
+        u = FourBitTensor.from_float(x.abs(), signed=False)
+        self.assertEqual(u.fast_path_layout().codebook, tuple((i + 1) / 16 for i in range(16)))
+        # element 2i in the low nibble of byte i
+        table = torch.tensor(quadratic_map())
+        first = table[(q.codes[0] & 15).long()] * q.absmax[0], table[(q.codes[0] >> 4).long()] * q.absmax[0]
+        self.assertEqual((q.dequantize()[0, 0].item(), q.dequantize()[0, 1].item()), tuple(v.item() for v in first))
+
+    def test_second_moment_has_no_zero_level(self):
+        # the zero-point problem: a tiny v beside a large one is stored as absmax / 16, never 0
+        v = torch.full((128,), 1e-12)
+        v[0] = 1.0
+        self.assertTrue(torch.equal(FourBitTensor.from_float(v, signed=False).dequantize()[1:],
+                                    torch.full((127,), 1 / 16)))
+        self.assertEqual(linear_map_without_zero(4)[0], 1 / 16)
+        self.assertTrue(torch.equal(FourBitTensor.zeros((300,), signed=False).dequantize(), torch.zeros(300)))
+
+    def test_aliases(self):
+        p = torch.nn.Parameter(torch.randn(64, 128))
+        for cls in (Adam4bit, AdamW4bit):
+            opt = cls([p], lr=1e-3, compile=False)
+            p.grad = torch.randn_like(p)
+            opt.step()
+            self.assertIs(type(opt.state[p]["exp_avg_sq"]), FourBitTensor)
+            self.assertEqual(opt.state[p]["exp_avg"].codes.numel(), 64 * 128 // 2)
+
+
+class TestFourBitRank1(StateFormatTestCase):
+    format_name = "4bit_rank1"
+    block_size = 128
+    # as "4bit", relative to each element's scale: the block's absmax (signed, 1-D), or min(row max, column max)
+    max_error = {True: 15 / 64, False: 1 / 16}
+
+    def assertWithinQuantError(self, q, x, signed=True):
+        if not q.rows:
+            return super().assertWithinQuantError(q, x, signed)
+        matrix = x.float().reshape(q.rows, -1)
+        finite = torch.where(torch.isfinite(matrix), matrix.abs(), 0.0)
+        scale = torch.minimum(finite.amax(1)[:, None], finite.amax(0)[None, :])
+        err = torch.where(torch.isfinite(matrix), q.dequantize().float().reshape(q.rows, -1) - matrix, 0.0).abs()
+        self.assertTrue((err <= self.max_error[signed] * scale * (1 + 1e-5) + 1e-30).all())
+
+    def test_rank1_scales(self):
+        x = torch.rand(6, 300)
+        x[2, 7] = 50.0  # an outlier: only row 2 and column 7 see it
+        q = FourBitRank1Tensor.from_float(x, signed=False)
+        self.assertEqual(q.rows, 6)
+        self.assertIsNone(q.fast_path_layout())  # not blockwise: the compiled path
+        self.assertTrue(torch.equal(q.absmax, torch.cat([x.amax(1), x.amax(0)])))
+        scale = torch.minimum(x.amax(1)[:, None], x.amax(0)[None, :])
+        err = (q.dequantize() - x).abs() / scale
+        self.assertLessEqual(err.max().item(), 1 / 16 * (1 + 1e-6))
+        # blockwise would store row 2's other elements to 1/32 of 50; rank-1 to 1/32 of their own column max
+        block = FourBitTensor.from_float(x, signed=False)
+        self.assertLess((q.dequantize() - x)[2].abs().mean(), (block.dequantize() - x)[2].abs().mean() / 10)
+        # the shape survives the optimizer's flat views; exp_avg and 1-D tensors stay blockwise
+        flat = q.view(-1)
+        self.assertEqual(flat.rows, 6)
+        self.assertTrue(torch.equal(flat.dequantize(), q.dequantize().view(-1)))
+        self.assertEqual(FourBitRank1Tensor.from_float(x, signed=True).rows, 0)
+        self.assertEqual(FourBitRank1Tensor.zeros((1800,), signed=False).rows, 0)
+        self.assertEqual(FourBitRank1Tensor.zeros((6, 3, 100), signed=False).absmax.shape, (6 + 300,))
+
+    def test_rank1_refuses_row_slices_and_bad_rows(self):
+        q = FourBitRank1Tensor.from_float(torch.rand(8, 512), signed=False)
+        with self.assertRaisesRegex(NotImplementedError, "rows=8"):
+            q[0:4]
+        with self.assertRaisesRegex(ValueError, "rows=7"):
+            FourBitRank1Tensor.zeros((8, 512), signed=False, rows=7)
+
+    def test_rank1_in_adam(self):
+        model = torch.nn.Linear(256, 64)
+        ours = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", compile=False)
+        for _ in range(2):
+            model.weight.grad, model.bias.grad = torch.randn(64, 256), torch.randn(64)
+            ours.step()
+        state = ours.state[model.weight]
+        self.assertEqual((state["exp_avg"].rows, state["exp_avg_sq"].rows), (0, 64))
+        restored = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", compile=False)
+        restored.load_state_dict(ours.state_dict())
+        self.assertTrue(torch.equal(restored.state[model.weight]["exp_avg_sq"].absmax, state["exp_avg_sq"].absmax))
