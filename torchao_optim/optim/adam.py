@@ -10,6 +10,7 @@ from torch import Tensor
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import fused_available, plan_group
+from torchao_optim.optim.sharded import is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size
 from torchao_optim.optim.update import adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState, get_state_format
 
@@ -219,15 +220,29 @@ class Adam(torch.optim.Optimizer):
 
     # ---- state --------------------------------------------------------------------------------------
     def _format_for(self, p: Tensor, group) -> Optional[type]:
-        """The format class for ``p``'s state, or None for plain (unquantized) state."""
+        """The format class for ``p``'s state, or None for plain (unquantized) state. Decided from the global
+        shape only (a DTensor's ``shape``), so a sharded parameter is quantized on every mesh or on none."""
         if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
             return None
         fmt = get_state_format(group["state_format"])
+        block_size = self._block_size_for(p, group, fmt)
+        if block_size is None:
+            return None  # sharded, and no block fits within a row (see optim/sharded.py)
         try:
-            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=group["block_size"]))
+            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=block_size))
         except ValueError:
             return None  # the format cannot store this shape: keep plain state
         return fmt
+
+    def _block_size_for(self, p: Tensor, group, fmt: type) -> Optional[int]:
+        """The block size of ``p``'s quantized state: the group's (None: the format's default); for a DTensor
+        parameter the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), None when
+        there is none or when its placements do not keep rows whole."""
+        if not is_dtensor(p):
+            return group["block_size"]
+        if not quantizable_sharding(p.placements):
+            return None
+        return row_aligned_block_size(p.shape, group["block_size"] or fmt.default_block_size)
 
     @staticmethod
     def _plain_state_dtype(p: Tensor) -> torch.dtype:
@@ -235,10 +250,16 @@ class Adam(torch.optim.Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
+        """A state of zeros for ``p``; for a DTensor parameter, the state of its local shard as a DTensor laid
+        out like ``p``."""
         fmt = self._format_for(p, group)
+        lp = local(p)
         if fmt is None:
-            return torch.zeros_like(p, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
-        return fmt.zeros(p.shape, signed=signed, block_size=group["block_size"], device=p.device)
+            state = torch.zeros_like(lp, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
+        else:
+            state = fmt.zeros(lp.shape, signed=signed, block_size=self._block_size_for(p, group, fmt),
+                              device=lp.device)
+        return like_param(p, state) if is_dtensor(p) else state
 
     def _state_keys(self, group):
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -308,6 +329,10 @@ class Adam(torch.optim.Optimizer):
         for p, grad in zip(group["params"], grads):
             if grad is None:
                 continue
+            if is_dtensor(p) != is_dtensor(grad) or (is_dtensor(p) and grad.placements != p.placements):
+                raise RuntimeError(f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
+                                   f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
+                                   f"with placements {getattr(grad, 'placements', None)}; they must match")
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if grad.is_complex() or p.is_complex():
@@ -366,9 +391,12 @@ class Adam(torch.optim.Optimizer):
                                rows64[row] if params[i].dtype == torch.float64 else rows32[row])
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
-        """One parameter on the compiled path, with its row of :func:`adam_coefficients`."""
-        grad = p.grad
-        states = [state.get(k) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
+        """One parameter on the compiled path, with its row of :func:`adam_coefficients`. A DTensor parameter
+        is updated through its local shard and local states (elementwise, with whole blocks on every rank)."""
+        p, grad = local(p), local(p.grad)
+        if p.numel() == 0:
+            return  # an empty shard (more ranks than rows): nothing to update, and no graph to compile for it
+        states = [local(state.get(k)) for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")]
         # Every parameter, whatever its shape, reuses one compiled graph. (A non-contiguous parameter
         # keeps its shape, and gets a graph of its own.)
         if p.is_contiguous():

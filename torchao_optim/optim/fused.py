@@ -9,6 +9,9 @@ program -> (tensor, block) map, the encoder tables) and the plan's step counts, 
 Gradients move (``zero_grad(set_to_none=True)`` frees them), so their addresses are a table of their own,
 refreshed with one non-blocking copy from pinned memory when one moved.
 
+A DTensor parameter (FSDP2) is planned through its local shard: the pointers, sizes and layouts are those of
+the local parameter, gradient and states (whole blocks on every rank, see :mod:`torchao_optim.optim.sharded`).
+
 Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
 Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before Triton is imported: slow, and meant for testing.
@@ -22,6 +25,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from torchao_optim.optim.sharded import local
 from torchao_optim.quant import bucket_tables, codebook_tensor
 
 __all__ = ["fused_available", "GroupPlan", "plan_group"]
@@ -66,6 +70,7 @@ def _alias0d(base: Tensor, i: int) -> Tensor:
 
 def _state_layout(state) -> Optional[object]:
     """"fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
+    state = local(state)
     if type(state) is Tensor:
         return "fp32" if state.dtype == torch.float32 and state.is_contiguous() else None
     get_layout = getattr(state, "fast_path_layout", None)
@@ -79,13 +84,14 @@ def _state_layout(state) -> Optional[object]:
 def plan_key(p: Tensor, state, amsgrad: bool, interpreter: bool = False) -> Optional[tuple]:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` (CPU parameters only with
     ``interpreter``: Triton's interpreter is for testing)."""
+    p, grad = local(p), local(p.grad)
     if p.device.type == "cpu" and not interpreter:
         return None
-    if amsgrad or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
+    if amsgrad or not fused_available(p.device) or not p.is_contiguous() or not grad.is_contiguous():
         return None
     from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
-    if p.dtype not in TRITON_DTYPES or p.grad.dtype not in TRITON_DTYPES:
+    if p.dtype not in TRITON_DTYPES or grad.dtype not in TRITON_DTYPES:
         return None
     m, v = _state_layout(state["exp_avg"]), _state_layout(state["exp_avg_sq"])
     if m is None or v is None:
@@ -93,11 +99,12 @@ def plan_key(p: Tensor, state, amsgrad: bool, interpreter: bool = False) -> Opti
     blocks = {x.block_size for x in (m, v) if x != "fp32"}
     if len(blocks) > 1:
         return None
-    return (m, v, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, p.grad.dtype)
+    return (m, v, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype)
 
 
 def _fields(state, layout) -> Tuple[int, int]:
-    """(codes or values pointer, scales pointer) of one state."""
+    """(codes or values pointer, scales pointer) of one state (its local shard's, for a DTensor)."""
+    state = local(state)
     if layout == "fp32":
         return state.data_ptr(), 0
     return getattr(state, layout.codes).data_ptr(), getattr(state, layout.scales).data_ptr()
@@ -129,18 +136,19 @@ class GroupPlan:
 
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
         self.m_layout, self.v_layout, self.block, device, param_dtype, grad_dtype = key
-        self.params = params
+        self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
+        shards = [local(p) for p in params]
         # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
         self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
         rows = [[p.data_ptr(), *_fields(s["exp_avg"], self.m_layout), *_fields(s["exp_avg_sq"], self.v_layout)]
-                for p, s in zip(params, states)]
+                for p, s in zip(shards, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         # params and codes at 16-byte boundaries (fresh allocations are): the kernel's loads become vectors
         self.aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and r[3] % 16 == 0 for r in rows)
         self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
-        numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         span = self.block * self.iters  # elements per program
         programs = (numels + span - 1) // span
         self.n_programs = int(programs.sum())
@@ -161,7 +169,7 @@ class GroupPlan:
 
     def refresh_grads(self) -> None:
         """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
-        key = tuple(p.grad.data_ptr() for p in self.params)
+        key = tuple(local(p.grad).data_ptr() for p in self.params)
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
@@ -179,6 +187,8 @@ class GroupPlan:
         n = len(self.params)
         adam_coefs_kernel[(1,)](self.steps, hyperparams, self.coefs, n, DECOUPLED=decoupled,
                                 N_POW2=max(16, 1 << (n - 1).bit_length()), num_warps=4)
+        if self.n_programs == 0:
+            return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
