@@ -17,17 +17,13 @@ plain fp32 state, on one rank as on eight.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Optional, Sequence
 
-import torch
 from torch import Tensor
 
 __all__ = ["is_dtensor", "local", "quantizable_sharding", "row_aligned_block_size", "like_param", "local_part"]
 
-if torch.distributed.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-else:  # a build without torch.distributed: no parameter is a DTensor
-    DTensor = Replicate = Shard = None
 
 # How far the rule may shrink a format's block (a scale per 32 elements for 256-element blocks: 1.125 bytes
 # per element for an 8-bit state instead of 1.016, still 3.5x less than fp32).
@@ -35,7 +31,11 @@ MAX_SHRINK = 8
 
 
 def is_dtensor(t) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # No tensor is a DTensor before torch.distributed.tensor is imported: importing it here would add a second
+    # to every import of this package.
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(t, cls)
 
 
 def local(t: Optional[Tensor]) -> Optional[Tensor]:
@@ -46,6 +46,8 @@ def local(t: Optional[Tensor]) -> Optional[Tensor]:
 def quantizable_sharding(placements: Sequence) -> bool:
     """Whether a DTensor with ``placements`` holds whole rows on every rank: each placement is ``Shard(0)`` or
     ``Replicate()`` (FSDP2, HSDP). Other shardings (along another dim, strided, partial) keep plain state."""
+    from torch.distributed.tensor import Replicate, Shard
+
     return all(type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in placements)
 
 
@@ -66,6 +68,8 @@ def row_aligned_block_size(shape: Sequence[int], block_size: int) -> Optional[in
 
 def like_param(p: Tensor, local_state: Tensor) -> Tensor:
     """``local_state`` (the state of ``p``'s local shard) as a DTensor laid out like ``p``."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                               stride=p.stride())
 
