@@ -235,14 +235,15 @@ class Adam(torch.optim.Optimizer):
         return fmt
 
     def _block_size_for(self, p: Tensor, group, fmt: type) -> Optional[int]:
-        """The block size of ``p``'s quantized state: the group's (None: the format's default); for a DTensor
-        parameter the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), None when
-        there is none or when its placements do not keep rows whole."""
+        """The block size of ``p``'s quantized state: the group's (or the format's default); for a DTensor
+        parameter the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), or None
+        when there is none or when its placements do not keep rows whole."""
+        block_size = group["block_size"] or fmt.default_block_size
         if not is_dtensor(p):
-            return group["block_size"]
+            return block_size
         if not quantizable_sharding(p.placements):
             return None
-        return row_aligned_block_size(p.shape, group["block_size"] or fmt.default_block_size)
+        return row_aligned_block_size(p.shape, block_size)
 
     @staticmethod
     def _plain_state_dtype(p: Tensor) -> torch.dtype:
