@@ -196,6 +196,14 @@ class Layer(torch.nn.Module):
             [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)) for s in shapes])
 
 
+class Stack(torch.nn.Module):
+    """The layers (fully_shard refuses a bare ModuleList); the benchmark never runs a forward."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+
 def sharded_params(shapes: List[Shape], device, dtype) -> Tuple[torch.nn.Module, List[torch.nn.Parameter]]:
     """The geometry as a model of layers, each ``fully_shard``-ed, and the root too: the first tensor (the
     embedding), the last two (final norm, head), and the rest in layers of 9 (TinyLlama's); gradients of the
@@ -203,8 +211,8 @@ def sharded_params(shapes: List[Shape], device, dtype) -> Tuple[torch.nn.Module,
     gen = torch.Generator().manual_seed(0)
     middle = shapes[1:-2]
     chunks = [shapes[:1]] + [middle[i:i + 9] for i in range(0, len(middle), 9)] + [shapes[-2:]]
-    model = torch.nn.ModuleList([Layer(c, device, dtype, gen) for c in chunks if c])
-    for layer in model:
+    model = Stack([Layer(c, device, dtype, gen) for c in chunks if c])
+    for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
     params = list(model.parameters())
