@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchao_optim import AdamW8bit, DTQ8bitTensor, QuantizedState
+from torchao_optim import AdamW8bit, DTQ8bitTensor, QuantizedState, dequantize_state_dict
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.sharded import row_aligned_block_size
 from torchao_optim.testing import assert_same_tensor
@@ -326,6 +326,41 @@ class TestShardedStep(expecttest.TestCase):
         from torch.distributed.fsdp import CPUOffloadPolicy
 
         self.check_ranks(2, Net, offload_policy=CPUOffloadPolicy(pin_memory=False))
+
+    def test_load_a_single_process_state_dict(self):
+        # A whole state of the global shape (a checkpoint saved without sharding): each rank keeps its rows,
+        # exactly where the layouts agree (fc1.weight, blocks of 256), converted where they do not (fc2.weight:
+        # blocks of 256 saved, 32 sharded; fc3.weight: quantized saved, plain sharded).
+        model = Net()
+        opt = optimizer(model)
+        for step in range(STEPS):
+            set_grads(model, step)
+            opt.step()
+        saved = opt.state_dict()
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                ours = sharded(Net())
+                ours_opt = optimizer(ours)
+                ours_opt.load_state_dict(saved)
+                for name, p in ours.named_parameters():
+                    rows = rows_of(rank, 2, p.shape[0])
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        whole, state = opt.state[model.get_parameter(name)][key], ours_opt.state[p][key]
+                        what = f"rank {rank} {name} {key}"
+                        self.assertEqual((state.shape, state.placements), (p.shape, p.placements), what)
+                        if name == "fc1.weight":
+                            assertShardOf(self, state.to_local(), whole, rows, what)
+                            continue
+                        local = state.to_local()
+                        expected = whole.dequantize()[rows] if isinstance(whole, QuantizedState) else whole[rows]
+                        if isinstance(local, QuantizedState):
+                            self.assertEqual(local.block_size, 32, what)
+                            expected = type(local).from_float(expected, **local.attrs())
+                        assert_same_tensor(self, local, expected, what)
+                plain = dequantize_state_dict(ours_opt.state_dict())["state"][0]["exp_avg"]  # fc1.weight
+                self.assertEqual((type(plain.to_local()), plain.placements), (torch.Tensor, ours.fc1.weight.placements))
+                self.assertTrue(torch.equal(plain.to_local(), ours_opt.state[ours.fc1.weight]["exp_avg"].to_local()
+                                            .dequantize()))
 
     @unittest.skipUnless(fused_available("cpu"), "the fused executor needs Triton (its interpreter on the CPU)")
     def test_fused_executor_on_shards(self):

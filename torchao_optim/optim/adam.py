@@ -445,11 +445,15 @@ AdamDTQ8bit = Adam8bit
 
 def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """A copy of an optimizer ``state_dict`` with every quantized state dequantized to fp32, loadable by
-    ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped)."""
+    ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped); a DTensor state (FSDP2) stays a DTensor
+    laid out the same way, over its dequantized local shard."""
     ours = {"state_format", "block_size", "min_quant_size"}
-    state = {
-        idx: {k: (v.dequantize(torch.float32) if isinstance(v, QuantizedState) else v) for k, v in s.items()}
-        for idx, s in state_dict["state"].items()
-    }
+
+    def plain(v):
+        if is_dtensor(v) and isinstance(v.to_local(), QuantizedState):  # FSDP2: each rank's rows
+            return like_param(v, v.to_local().dequantize(torch.float32))
+        return v.dequantize(torch.float32) if isinstance(v, QuantizedState) else v
+
+    state = {idx: {k: plain(v) for k, v in s.items()} for idx, s in state_dict["state"].items()}
     groups = [{k: v for k, v in g.items() if k not in ours} for g in state_dict["param_groups"]]
     return {"state": state, "param_groups": groups}

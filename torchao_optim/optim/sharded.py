@@ -75,12 +75,24 @@ def like_param(p: Tensor, local_state: Tensor) -> Tensor:
 
 
 def local_part(p: Tensor, full: Tensor) -> Tensor:
-    """The part of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard covers, for placements
-    :func:`quantizable_sharding` accepts: a slice of rows, taken with ``narrow`` (a quantized ``full`` is
-    sliced on its block boundaries by the op table)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """The rows of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds, taken with
+    ``narrow`` (a quantized ``full`` is sliced on its block boundaries by the op table). Each ``Shard(0)`` mesh
+    dimension, in order, splits the rows left by the previous ones into chunks of ``ceil(rows / size)``."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
 
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    if len(shape) == 0 or (shape[0] == full.shape[0] and offset[0] == 0):
+    if not quantizable_sharding(p.placements):
+        raise ValueError(f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
+                         f"Replicate() on every mesh dimension), not {tuple(p.placements)}")
+    if len(p.shape) == 0:
         return full
-    return full.narrow(0, offset[0], shape[0])
+    mesh, start, rows = p.device_mesh, 0, p.shape[0]
+    for dim, placement in enumerate(p.placements):
+        if type(placement) is Shard:
+            chunk = -(-rows // mesh.size(dim))
+            first = min(rows, dist.get_rank(mesh.get_group(dim)) * chunk)
+            start, rows = start + first, min(rows, first + chunk) - first
+    if rows != local(p).shape[0]:
+        raise ValueError(f"rows {start}:{start + rows} of {tuple(p.shape)} computed for this rank, but its shard "
+                         f"has {local(p).shape[0]} rows")
+    return full if rows == full.shape[0] else full.narrow(0, start, rows)
