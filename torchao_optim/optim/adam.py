@@ -109,6 +109,9 @@ class Adam(torch.optim.Optimizer):
     fp64 in any case. A non-finite gradient element, or one whose new ``m`` or ``v`` would overflow, is
     skipped: its parameter and state keep their values, and no other element is affected.
 
+    Parameters sharded with FSDP2 (DTensors) get DTensor states laid out like them, quantized per local shard
+    with blocks that never cross a row, so that layouts do not depend on the mesh (docs/distributed.md).
+
     ``load_state_dict`` and ``add_param_group`` check everything before they change anything (see
     :mod:`torchao_optim.optim.checkpoint`); copies (``copy.deepcopy``, pickle, ``torch.save``) step like
     the original.
