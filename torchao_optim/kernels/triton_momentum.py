@@ -110,6 +110,8 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
     rule = plan.rule.name
     coefficients = sgd_coefficients if rule == "sgd" else lion_coefficients
     plan.coefs.copy_(coefficients(plan.steps, hyperparams))  # (n_tensors, 4), fp32
+    if plan.n_programs == 0:
+        return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     layout = plan.layouts[0]
     plan.compiled = momentum_kernel[(plan.n_programs,)](
         plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, *plan.tables,

@@ -10,6 +10,7 @@ from torchao_optim.optim.base import (
     LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
 )
 from torchao_optim.optim.fused import ADAM
+from torchao_optim.optim.sharded import is_dtensor, like_param
 from torchao_optim.optim.update import adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState
 
@@ -59,6 +60,9 @@ class Adam(LowBitOptimizer):
     and with ``state_format="none"``, keep plain state: fp32, or fp64 for fp64 parameters, whose update is
     fp64 in any case. A non-finite gradient element, or one whose new ``m`` or ``v`` would overflow, is
     skipped: its parameter and state keep their values, and no other element is affected.
+
+    Parameters sharded with FSDP2 (DTensors) get DTensor states laid out like them, quantized per local shard
+    with blocks that never cross a row, so that layouts do not depend on the mesh (docs/distributed.md).
 
     ``load_state_dict`` and ``add_param_group`` check everything before they change anything (see
     :mod:`torchao_optim.optim.checkpoint`); copies (``copy.deepcopy``, pickle, ``torch.save``) step like
@@ -217,11 +221,15 @@ AdamWFp8 = _with_format(AdamW, "AdamWFp8", "fp8", "8-bit float state (blocks of 
 
 def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
     """A copy of an optimizer ``state_dict`` with every quantized state dequantized to fp32, loadable by
-    ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped)."""
+    ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped); a DTensor state (FSDP2) stays a DTensor
+    laid out the same way, over its dequantized local shard."""
     ours = {"state_format", "block_size", "min_quant_size"}
-    state = {
-        idx: {k: (v.dequantize(torch.float32) if isinstance(v, QuantizedState) else v) for k, v in s.items()}
-        for idx, s in state_dict["state"].items()
-    }
+
+    def plain(v):
+        if is_dtensor(v) and isinstance(v.to_local(), QuantizedState):  # FSDP2: each rank's rows
+            return like_param(v, v.to_local().dequantize(torch.float32))
+        return v.dequantize(torch.float32) if isinstance(v, QuantizedState) else v
+
+    state = {idx: {k: plain(v) for k, v in s.items()} for idx, s in state_dict["state"].items()}
     groups = [{k: v for k, v in g.items() if k not in ours} for g in state_dict["param_groups"]]
     return {"state": state, "param_groups": groups}

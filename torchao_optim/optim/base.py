@@ -18,6 +18,7 @@ from torch import Tensor
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
+from torchao_optim.optim.sharded import is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
@@ -113,7 +114,9 @@ def step_shape(p: Tensor, states) -> tuple:
 def flat_aliases(p: Tensor, grad: Tensor, states: Sequence[Optional[Tensor]]):
     """``(p, grad, states)`` as the compiled update takes them: contiguous ones aliased to :func:`step_shape`,
     so that every parameter, whatever its shape, reuses one compiled graph (a non-contiguous parameter keeps
-    its shape, and gets a graph of its own)."""
+    its shape, and gets a graph of its own). DTensors (FSDP2) are replaced by their local shards: the update is
+    elementwise, and every rank holds whole blocks."""
+    p, grad, states = local(p), local(grad), [local(s) for s in states]
     if not p.is_contiguous():
         return p, grad, list(states)
     shape = step_shape(p, states)
@@ -212,15 +215,30 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return key not in self.UNSIGNED_KEYS
 
     def _format_for(self, p: Tensor, group) -> Optional[type]:
-        """The format class for ``p``'s state, or None for plain (unquantized) state."""
+        """The format class for ``p``'s state, or None for plain (unquantized) state. Decided from the global
+        shape only (a DTensor's ``shape``), so a sharded parameter is quantized on every mesh or on none."""
         if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
             return None
         fmt = get_state_format(group["state_format"])
+        block_size = self._block_size_for(p, group, fmt)
+        if block_size is None:
+            return None  # sharded, and no block fits within a row (see optim/sharded.py)
         try:
-            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=group["block_size"]))
+            fmt.check_attrs(p.shape, **fmt._attrs(signed=True, block_size=block_size))
         except ValueError:
             return None  # the format cannot store this shape: keep plain state
         return fmt
+
+    def _block_size_for(self, p: Tensor, group, fmt: type) -> Optional[int]:
+        """The block size of ``p``'s quantized state: the group's (or the format's default); for a DTensor
+        parameter the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), or None
+        when there is none or when its placements do not keep rows whole."""
+        block_size = group["block_size"] or fmt.default_block_size
+        if not is_dtensor(p):
+            return block_size
+        if not quantizable_sharding(p.placements) or not fmt.row_shardable:
+            return None
+        return row_aligned_block_size(p.shape, block_size)
 
     @staticmethod
     def _plain_state_dtype(p: Tensor) -> torch.dtype:
@@ -228,10 +246,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return torch.float64 if p.dtype == torch.float64 else torch.float32
 
     def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
+        """A state of zeros for ``p``; for a DTensor parameter, the state of its local shard as a DTensor laid
+        out like ``p``."""
         fmt = self._format_for(p, group)
+        lp = local(p)
         if fmt is None:
-            return torch.zeros_like(p, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
-        return fmt.zeros(p.shape, signed=signed, block_size=group["block_size"], device=p.device)
+            state = torch.zeros_like(lp, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
+        else:
+            state = fmt.zeros(lp.shape, signed=signed, block_size=self._block_size_for(p, group, fmt),
+                              device=lp.device)
+        return like_param(p, state) if is_dtensor(p) else state
 
     def _init_state(self, p: Tensor, group, state) -> None:
         """Create what ``state`` lacks: the step count and each state key (a group may gain one, as SGD's
@@ -309,6 +333,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, grad in zip(group["params"], grads):
             if grad is None:
                 continue
+            if is_dtensor(p) != is_dtensor(grad) or (is_dtensor(p) and grad.placements != p.placements):
+                raise RuntimeError(f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
+                                   f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
+                                   f"with placements {getattr(grad, 'placements', None)}; they must match")
             if grad.is_sparse:
                 raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
             if grad.is_complex() or p.is_complex():
@@ -373,6 +401,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             coefs = torch.nn.functional.pad(coefs, (0, 0, 1, 0))
             rows64, rows32 = coefs.unbind(0), coefs.to(torch.float32).unbind(0)
             for row, i in enumerate(idx, start=1):
+                if local(params[i]).numel() == 0:
+                    continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
                 self._step_one(params[i], states[i], group,
                                rows64[row] if params[i].dtype == torch.float64 else rows32[row])
 

@@ -9,6 +9,10 @@ state whose fields do not fit its shape (truncated codes, an absmax of the wrong
 non-finite or (for ``exp_avg_sq``) negative values. Loading such a checkpoint would otherwise train on
 garbage or fail deep inside a compiled step.
 
+A DTensor parameter's state (FSDP2) is a DTensor with the parameter's mesh and placements: its local tensor
+is checked and converted as above, on each rank; a whole tensor of the global shape is also accepted, and
+each rank keeps its rows.
+
 What converts rather than fails: a state of another format or precision (fp32 into a quantized format,
 quantized into plain state, another block size, fp16/bf16/fp64 values) and a state on another device.
 """
@@ -21,6 +25,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from torchao_optim.optim.sharded import is_dtensor, like_param, local, local_part
 from torchao_optim.state import QuantizedState
 
 __all__ = ["checked_state"]
@@ -131,19 +136,60 @@ def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
 
 
 def _checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, where: str) -> Tensor:
-    """``value`` checked and converted to what ``optimizer`` keeps for ``p``'s ``key``, on ``p``'s device."""
+    """``value`` checked and converted to what ``optimizer`` keeps for ``p``'s ``key``, on ``p``'s device (for a
+    DTensor parameter, a DTensor laid out like it; see :func:`_checked_sharded_moment`)."""
     if not isinstance(value, Tensor):
         raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
     if value.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
-    fmt, signed = optimizer._format_for(p, group), optimizer._signed(key)
+    fmt = optimizer._format_for(p, group)
+    block_size = None if fmt is None else optimizer._block_size_for(p, group, fmt)
+    if is_dtensor(p) or is_dtensor(value):
+        return _checked_sharded_moment(optimizer, p, fmt, block_size, key, value, where)
+    return _checked_local(optimizer, p, fmt, block_size, key, value, where)
+
+
+def _checked_sharded_moment(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor, where: str) -> Tensor:
+    """The state of a DTensor parameter (FSDP2): a DTensor with the parameter's mesh and placements (what
+    ``torch.distributed.checkpoint`` loads), whose local tensor is checked and converted like any state; or a
+    whole tensor of the global shape (a checkpoint saved without sharding), of which each rank keeps its rows.
+    Checks run on each rank's rows."""
+    if not is_dtensor(p):
+        raise ValueError(f"{where} is a DTensor with placements {value.placements}, but the parameter is a plain "
+                         f"tensor; load value.full_tensor() instead")
+    if is_dtensor(value):
+        if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
+            raise ValueError(f"{where} is sharded as {tuple(value.placements)} over {value.device_mesh}; the "
+                             f"parameter as {tuple(p.placements)} over {p.device_mesh}: redistribute it first")
+        value = value.to_local()
+    elif isinstance(value, QuantizedState):
+        try:
+            value.check_fields()
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        same = fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(
+            signed=optimizer._signed(key), block_size=block_size)
+        # the same layout: this rank's rows are whole blocks of it (an exact slice); otherwise convert
+        value = local_part(p, value if same else value.dequantize(torch.float32))
+    else:
+        value = local_part(p, value)
+    return like_param(p, _checked_local(optimizer, local(p), fmt, block_size, key, value, where))
+
+
+def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor, where: str) -> Tensor:
+    """``value`` (a plain tensor or a quantized state, of ``p``'s shape) checked and converted to ``fmt`` with
+    ``block_size`` (None: plain state) on ``p``'s device."""
+    if value.shape != p.shape:
+        raise ValueError(f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's "
+                         f"{tuple(p.shape)}")
+    signed = optimizer._signed(key)
     if isinstance(value, QuantizedState):
         try:
             value.check_fields()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
         if fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(signed=signed,
-                                                                                    block_size=group["block_size"]):
+                                                                                    block_size=block_size):
             # the layout this optimizer uses: the codes are kept as they are (exact resume)
             return value.to(device=p.device, dtype=torch.float32, copy=True)
         value = value.dequantize(torch.float32)
@@ -157,5 +203,4 @@ def _checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, whe
         raise ValueError(f"{where} must be {rule}; element {i} (flat) holds {value.reshape(-1)[i].item()}")
     if fmt is None:
         return value.to(device=p.device, dtype=optimizer._plain_state_dtype(p), copy=True).contiguous()
-    return fmt.from_float(value.to(device=p.device, dtype=torch.float32), signed=signed,
-                          block_size=group["block_size"])
+    return fmt.from_float(value.to(device=p.device, dtype=torch.float32), signed=signed, block_size=block_size)

@@ -9,6 +9,9 @@ counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebui
 parameters with gradients changes. Gradients move (``zero_grad(set_to_none=True)`` frees them), so their
 addresses are a table of their own, refreshed with one non-blocking copy from pinned memory when one moved.
 
+A DTensor parameter (FSDP2) is planned through its local shard: the pointers, sizes and layouts are those of
+the local parameter, gradient and states (whole blocks on every rank, see :mod:`torchao_optim.optim.sharded`).
+
 Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
 Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
 ``TRITON_INTERPRET=1`` is set before Triton is imported: slow, and meant for testing.
@@ -23,6 +26,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from torchao_optim.optim.sharded import local
 from torchao_optim.quant import bucket_tables, codebook_tensor
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
@@ -67,6 +71,7 @@ def _alias0d(base: Tensor, i: int) -> Tensor:
 
 def _state_layout(state) -> Optional[object]:
     """"fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
+    state = local(state)
     if type(state) is Tensor:
         return "fp32" if state.dtype == torch.float32 and state.is_contiguous() else None
     get_layout = getattr(state, "fast_path_layout", None)
@@ -92,14 +97,16 @@ ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), 7)
 
 def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
-    implements the group's rule; CPU parameters only with ``interpreter``: Triton's interpreter is for testing)."""
+    implements the group's rule; CPU parameters only with ``interpreter``: Triton's interpreter is for testing).
+    A DTensor parameter is planned through its local shard."""
+    p, grad = local(p), local(p.grad)
     if p.device.type == "cpu" and not interpreter:
         return None
-    if rule is None or not fused_available(p.device) or not p.is_contiguous() or not p.grad.is_contiguous():
+    if rule is None or not fused_available(p.device) or not p.is_contiguous() or not grad.is_contiguous():
         return None
     from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
-    if p.dtype not in TRITON_DTYPES or p.grad.dtype not in TRITON_DTYPES:
+    if p.dtype not in TRITON_DTYPES or grad.dtype not in TRITON_DTYPES:
         return None
     layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
     if any(x is None for x in layouts):
@@ -107,11 +114,12 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     blocks = {x.block_size for x in layouts if x != "fp32"}
     if len(blocks) > 1:
         return None
-    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, p.grad.dtype)
+    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype)
 
 
 def _fields(state, layout) -> Tuple[int, int]:
-    """(codes or values pointer, scales pointer) of one state."""
+    """(codes or values pointer, scales pointer) of one state (its local shard's, for a DTensor)."""
+    state = local(state)
     if layout == "fp32":
         return state.data_ptr(), 0
     return getattr(state, layout.codes).data_ptr(), getattr(state, layout.scales).data_ptr()
@@ -145,19 +153,20 @@ class GroupPlan:
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype = key
         if self.rule.name == "adam":
             self.m_layout, self.v_layout = self.layouts
-        self.params = params
+        self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
+        shards = [local(p) for p in params]
         # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
         self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
-                                  for x in _fields(s[k], layout)] for p, s in zip(params, states)]
+                                  for x in _fields(s[k], layout)] for p, s in zip(shards, states)]
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         # params and codes at 16-byte boundaries (fresh allocations are): the kernel's loads become vectors
         self.aligned = all(r[0] % 16 == 0 and all(x % 16 == 0 for x in r[1::2]) for r in rows)
         self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
-        numels = torch.tensor([p.numel() for p in params], dtype=torch.int64)
+        numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         span = self.block * self.iters  # elements per program
         programs = (numels + span - 1) // span
         self.n_programs = int(programs.sum())
@@ -178,7 +187,7 @@ class GroupPlan:
 
     def refresh_grads(self) -> None:
         """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
-        key = tuple(p.grad.data_ptr() for p in self.params)
+        key = tuple(local(p.grad).data_ptr() for p in self.params)
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
@@ -201,6 +210,8 @@ class GroupPlan:
         n = len(self.params)
         adam_coefs_kernel[(1,)](self.steps, hyperparams, self.coefs, n, DECOUPLED=decoupled,
                                 N_POW2=max(16, 1 << (n - 1).bit_length()), num_warps=4)
+        if self.n_programs == 0:
+            return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,

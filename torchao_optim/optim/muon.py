@@ -18,6 +18,7 @@ from torchao_optim.optim.base import (
     LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
 )
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.optim.update import adam_coefficients, adam_update, muon_coefficients, muon_momentum
 
 __all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
@@ -190,6 +191,11 @@ class Muon8bit(LowBitOptimizer):
             self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True, amsgrad=False,
                               maximize=group["maximize"])
             return
+        if is_dtensor(p):
+            raise NotImplementedError(
+                f"Muon8bit: the parameter of shape {tuple(p.shape)} is sharded ({p.placements}); orthogonalizing "
+                f"its update needs the whole matrix, which a sharded step does not gather. Give it to the AdamW "
+                f"fallback (use_muon=False in its param group) or keep it unsharded")
         _, grad, (buf,) = flat_aliases(p, p.grad, [state["momentum_buffer"]])
         direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"], maximize=group["maximize"])
         ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])

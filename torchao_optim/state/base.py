@@ -66,6 +66,9 @@ class QuantizedState(torch.Tensor):
     blockwise_fields: ClassVar[Tuple[str, ...]] = ()
     attr_fields: ClassVar[Tuple[str, ...]] = ("block_size",)
     default_block_size: ClassVar[int] = 256
+    # Whether a row-sharded parameter (FSDP2) may keep its state in this format, quantized per local shard: true
+    # where every scale covers one block, so that whole blocks of rows give the codes of the whole tensor.
+    row_shardable: ClassVar[bool] = True
     _format_ops: ClassVar[Dict[Any, Callable]] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -250,9 +253,7 @@ class QuantizedState(torch.Tensor):
             impl = klass.__dict__.get("_format_ops", {}).get(func)
             if impl is not None:
                 return impl(func, args, kwargs)
-        impl = _OPS.get(func)
-        if impl is None and str(func) in _MATH_OP_NAMES:
-            impl = _math
+        impl = _OPS.get(func) or _OPS_BY_NAME.get(str(func))
         if impl is None:
             raise NotImplementedError(
                 f"{cls.__name__} does not implement {func}. Dequantize first (x.dequantize()), or add the op "
@@ -281,8 +282,8 @@ _MATH_OPS = [
     aten.div.Tensor, aten.div.Scalar, aten.maximum.default, aten.neg.default, aten.abs.default,
     aten.where.self,
 ]
-# Registered by inductor on import, so named rather than referenced: compiled lerp_ decomposes to it.
-_MATH_OP_NAMES = {"prims.fma.default"}
+# Ops registered by a module on import, so named rather than referenced (filled below).
+_OPS_BY_NAME: Dict[str, Callable] = {}
 _INPLACE_OPS = [
     aten.lerp_.Scalar, aten.lerp_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor,
     aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.addcmul_.default, aten.addcdiv_.default,
@@ -295,6 +296,10 @@ def _math(func, args, kwargs):
     # The Adam update (where: non-finite gradients keep the old state), torch.optim's single-tensor loops;
     # equal is needed by tests and state comparisons.
     return func(*_dequantize_all(args), **_dequantize_all(kwargs))
+
+
+# registered by inductor on import: compiled lerp_ decomposes to it
+_OPS_BY_NAME["prims.fma.default"] = _math
 
 
 @implements(_INPLACE_OPS)
@@ -414,3 +419,78 @@ def _slice(func, args, kwargs):
     for name in self.blockwise_fields:
         fields[name] = fields[name][first // bs : n_blocks(last, bs)]
     return self._new(fields, shape=(end - start,) + tuple(self.shape[1:]))
+
+
+# ---- rows: concatenating, padding and gathering whole blocks (DTensor, FSDP2, DCP) ----------------------
+
+def _check_whole_blocks(self, what: str) -> None:
+    if self.numel() % self.block_size:
+        raise ValueError(f"{type(self).__name__}: {what} needs whole blocks, but a tensor of shape {tuple(self.shape)} "
+                         f"holds {self.numel()} elements, not a multiple of block_size={self.block_size}")
+
+
+def _cat_rows(parts: Sequence[QuantizedState]) -> QuantizedState:
+    """``parts`` (one format and layout, the same trailing shape) concatenated along dim 0. Every part but the
+    last must be whole blocks, so that the blocks of the result are the parts' blocks and the inner tensors are
+    the parts' inner tensors end to end."""
+    first = parts[0]
+    for part in parts:
+        if type(part) is not type(first) or part.attrs() != first.attrs() or part.shape[1:] != first.shape[1:]:
+            raise ValueError(f"cat of quantized states needs one format, layout and row shape: got {part!r} "
+                             f"beside {first!r}")
+    for part in parts[:-1]:
+        _check_whole_blocks(part, "concatenating along dim 0")
+    fields = {name: torch.cat([getattr(part, name) for part in parts]) for name in first.tensor_fields()}
+    rows = sum(part.shape[0] for part in parts)
+    return first._new(fields, shape=(rows,) + tuple(first.shape[1:]))
+
+
+@implements([aten.cat.default])
+def _cat(func, args, kwargs):
+    # DTensor's gathers and pads along dim 0 (a quantized state in every part, the rows whole blocks)
+    tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    if not all(isinstance(t, QuantizedState) for t in tensors) or dim % max(tensors[0].dim(), 1) != 0:
+        raise NotImplementedError(f"cat of quantized states is supported along dim 0, with every tensor quantized; "
+                                  f"got dim={dim} and {[type(t).__name__ for t in tensors]}")
+    return _cat_rows(tensors)
+
+
+@implements([aten.constant_pad_nd.default])
+def _constant_pad_nd(func, args, kwargs):
+    # DTensor pads an uneven last shard with zero rows before an all-gather (Shard(0) -> Replicate)
+    self, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    after = pad[-1] if len(pad) == 2 * self.dim() else 0
+    if value != 0 or self.dim() == 0 or any(pad[:-1]) or len(pad) != 2 * self.dim() or after < 0:
+        raise NotImplementedError(f"{type(self).__name__}: padding is supported with zeros after the last row only, "
+                                  f"got pad={pad}, value={value}")
+    if after == 0:
+        return self
+    shape = (after,) + tuple(self.shape[1:])
+    zeros = type(self)(shape, self.dtype, **self.zeros_fields(shape, self.device, **self.attrs()), **self.attrs())
+    return _cat_rows([self, zeros])
+
+
+if torch.distributed.is_available() and hasattr(torch.ops, "_c10d_functional"):
+    _c10d = torch.ops._c10d_functional
+
+    @implements([_c10d.all_gather_into_tensor.default])
+    def _all_gather_into_tensor(func, args, kwargs):
+        # DTensor.full_tensor() and redistribute(Replicate) of a sharded state; DCP's full state dict: every
+        # rank's rows are whole blocks, so gathering each inner tensor gathers the blocks
+        self, group_size, group_name = args
+        _check_whole_blocks(self, "an all-gather along dim 0")
+        fields = {name: func(inner, group_size, group_name) for name, inner in self.fields().items()}
+        return self._new(fields, shape=(self.shape[0] * group_size,) + tuple(self.shape[1:]))
+
+    @implements([_c10d.wait_tensor.default])
+    def _wait_tensor(func, args, kwargs):
+        # the wait that follows a functional collective (AsyncCollectiveTensor, compiled collectives)
+        self = args[0]
+        for inner in self.fields().values():
+            _c10d.wait_tensor.default(inner)
+        return self
+
+    # torch >= 2.12 wraps a functional collective's result with this op (defined in Python, on import) to make
+    # it an AsyncCollectiveTensor; a quantized result is waited for at once instead
+    _OPS_BY_NAME["_c10d_functional._wrap_tensor_autograd.default"] = _wait_tensor

@@ -92,6 +92,7 @@ class FourBitRank1Tensor(FourBitTensor):
     """
 
     attr_fields = ("signed", "block_size", "rows")
+    row_shardable = False  # a column's maximum spans every rank's rows
 
     @classmethod
     def _with_rows(cls, shape, attrs):
