@@ -155,6 +155,7 @@ class GroupPlan:
             self.m_layout, self.v_layout = self.layouts
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
         shards = [local(p) for p in params]
+        self.sharded = any(s is not p for s, p in zip(shards, params))
         # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
         self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
@@ -187,7 +188,10 @@ class GroupPlan:
 
     def refresh_grads(self) -> None:
         """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
-        key = tuple(local(p.grad).data_ptr() for p in self.params)
+        if self.sharded:
+            key = tuple(local(p.grad).data_ptr() for p in self.params)
+        else:  # the common case, on every step: no per-parameter call beyond the address
+            key = tuple([p.grad.data_ptr() for p in self.params])
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
