@@ -55,6 +55,7 @@ from optimizers import lr_at, set_lr, state_nbytes  # noqa: E402,F401  (lr_at: p
 from stdlib_corpus import load_stdlib_corpus  # noqa: E402
 
 REFERENCE = "AdamW"
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ALIASES = {"AdamW8bit": "dtq8"}  # our named optimizers, and the state format each one is
 
 
@@ -145,7 +146,7 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
     torch.manual_seed(seed)
     model = GPT(model_cfg)  # built on the CPU, so the weights depend on the seed only
     init_checksum = sum(p.double().sum().item() for p in model.parameters())
-    model.to(device)
+    model.to(device=device, dtype=PARAM_DTYPES[args.param_dtype])
     groups = model.param_groups(args.weight_decay)
     # weight decay is set per group (model.param_groups); 0 here only fills the groups that do not set it
     optimizer = optimizers.build(name, groups, lr=args.lr, weight_decay=0.0, betas=(args.beta1, args.beta2),
@@ -358,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight_decay", type=float, default=0.1,
                         help="decoupled weight decay of the weight matrices; embeddings, biases and LayerNorm "
                              "weights get none. Default: %(default)s")
+    parser.add_argument("--param_dtype", default="fp32", choices=list(PARAM_DTYPES),
+                        help="the model's parameter dtype (bf16: pure bf16 training, where AdamW8bitSR's stochastic "
+                             "rounding matters). Default: %(default)s")
     parser.add_argument("--seeds", default="0,1",
                         help="comma-separated seeds, each setting the initial weights and the batch order. "
                              "Default: %(default)s")

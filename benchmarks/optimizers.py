@@ -10,7 +10,7 @@ edit. Names:
   registered format and ``none`` (fp32 state through our update), on the fused CUDA path where it applies;
   ``AdamWCompiled-<format>``: the same with ``fused=False`` (the per-parameter compiled path);
 - our named optimizers: ``AdamW8bit``, ``AdamDTQ8bit``, ``AdamWDTQ8bit``, ``Adam4bit``, ``AdamW4bit``,
-  ``AdamFp8``, ``AdamWFp8``;
+  ``AdamFp8``, ``AdamWFp8``; ``AdamW8bitSR``: ``AdamW8bit(bf16_stochastic_round=True)`` (for bf16 params);
 - peers, where installed: ``AdamBnb8bit``, ``AdamWBnb8bit`` (bitsandbytes), ``AdamWTorchao8bit``,
   ``AdamWTorchao4bit``, ``AdamWTorchaoFp8`` (torchao);
 - the other rules, each beside its full-precision form: ``SGD`` (``torch.optim.SGD``, momentum 0.9), ``SGD8bit``,
@@ -159,6 +159,8 @@ def optimizer_table() -> Dict[str, OptimizerEntry]:
         entries.append(OptimizerEntry(f"AdamWCompiled-{fmt}", f"torchao_optim.AdamW(state_format={fmt!r}, "
                                       "fused=False)", _ours(torchao_optim.AdamW, state_format=fmt, fused=False),
                                       None, fmt))
+    entries.append(OptimizerEntry("AdamW8bitSR", "torchao_optim.AdamW8bit(bf16_stochastic_round=True)",
+                                  _ours(torchao_optim.AdamW8bit, bf16_stochastic_round=True), None, "dtq8"))
     entries += _other_rules()
     return {e.name: e for e in entries}
 

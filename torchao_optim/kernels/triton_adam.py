@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
+from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -66,6 +67,29 @@ def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_P
 
 
 @triton.jit
+def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr):
+    """Write a tile's fp32 parameter values: rounded to nearest, or (``SR``, bf16 parameters) stochastically
+    with ``key`` for elements ``offset + start + local`` of the whole parameter."""
+    if SR:
+        value = stochastic_round_bf16(p, key, offset + start + local)
+    else:
+        value = p.to(PARAM_DTYPE)
+    tl.store(p_base + start + local, value, mask=local < n_valid)
+
+
+@triton.jit
+def _round_key(round_info, steps, t, SR: tl.constexpr):
+    """Tensor ``t``'s rounding key and element offset (zeros without ``SR``); ``steps`` already advanced."""
+    if SR:
+        key = rounding_key(tl.load(round_info + 2 * t), tl.load(steps + t))
+        offset = tl.load(round_info + 2 * t + 1)
+    else:
+        key = tl.full((), 0, tl.uint32)
+        offset = tl.full((), 0, tl.int64)
+    return key, offset
+
+
+@triton.jit
 def _codes_pointer(address, QUANT: tl.constexpr):
     """A state's codes (uint8) or plain values (fp32) as a typed pointer."""
     if QUANT:
@@ -90,10 +114,10 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
 
 
 @triton.jit
-def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
+def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 FAST_DIV: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+                 FAST_DIV: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``c``: the tensor's row of coefficients."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
@@ -132,7 +156,7 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
-    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=local < n_valid)
+    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
     store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
 
@@ -145,17 +169,20 @@ def adam_kernel(
     coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
+    steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
+    round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    FAST_DIV: tl.constexpr,
+    FAST_DIV: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 5
     c = coefs + t * 7
+    key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
     # the program's tiles: n_full whole blocks, then at most one partial block (a tensor's last)
@@ -184,14 +211,14 @@ def adam_kernel(
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
                               BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, c,
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, c, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
                           BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c,
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)

@@ -18,16 +18,16 @@ import torch
 import triton
 import triton.language as tl
 
-from torchao_optim.kernels.triton_adam import _codes_pointer
+from torchao_optim.kernels.triton_adam import _codes_pointer, _round_key, store_param
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
 
 RULES = {"sgd": 0, "lion": 1}
 
 
 @triton.jit
-def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, s_values, s_level1, s_level2,
+def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr,
-                   MAXIMIZE: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
+                   MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
     """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores."""
     start = blk * BLOCK
     valid = local < n_valid
@@ -59,7 +59,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, s_values, s_l
         sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
-    tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=valid)
+    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK)
 
 
@@ -71,15 +71,18 @@ def momentum_kernel(
     coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
+    steps,  # fp32 (n_tensors,): the step counts, already advanced
+    round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level2 with bounds)
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-    ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr,
+    ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 3
     c = coefs + t * 4
+    key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
     n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole blocks, then at most one partial
@@ -92,15 +95,16 @@ def momentum_kernel(
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base, sc = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16), tl.multiple_of(sc, 16)
     for i in range(0, n_full):
-        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, c, s_values, s_level1, s_level2,
-                       PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, S_QUANT, S_BITS)
+        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, c, key, offset, s_values, s_level1,
+                       s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
     if has_tail:
         blk = first + n_full
-        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, c, s_values, s_level1, s_level2,
-                       PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, S_QUANT, S_BITS)
+        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, c, key, offset, s_values,
+                       s_level1, s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
 
 
-def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False) -> None:
+def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
+                    stochastic_round: bool = False) -> None:
     """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
     rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
     from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
@@ -114,10 +118,11 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     layout = plan.layouts[0]
     plan.compiled = momentum_kernel[(plan.n_programs,)](
-        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, *plan.tables,
+        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.steps,
+        plan.round_info, *plan.tables,
         PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, ITERS=plan.iters,
         ALIGNED=plan.aligned and plan.grads_aligned,
-        RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize,
+        RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),
         num_warps=plan.num_warps,
     )

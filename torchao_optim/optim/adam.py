@@ -96,6 +96,11 @@ class Adam(LowBitOptimizer):
             replays. Default: ``False``.
         differentiable (bool, optional): ``True`` is refused (``ValueError``): quantization is not
             differentiable. Default: ``False``.
+        bf16_stochastic_round (bool, optional): bf16 parameters are updated in fp32 and written back with
+            stochastic rounding (unbiased, so updates below half a bf16 ulp accumulate on average instead of
+            being lost), on the fused and the compiled path alike; the random bits are a hash of (the
+            parameter's position in the optimizer, its step, the element), so runs are reproducible and a
+            resumed run rounds as an uninterrupted one. Other dtypes are unaffected. Default: ``False``.
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -123,6 +128,7 @@ class Adam(LowBitOptimizer):
         foreach=None,
         capturable=False,
         differentiable=False,
+        bf16_stochastic_round=False,
     ):
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
         defaults = dict(
@@ -131,7 +137,7 @@ class Adam(LowBitOptimizer):
             min_quant_size=min_quant_size,
         )
         super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable)
+                         differentiable=differentiable, bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_hyperparams(self, group) -> None:
         _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -153,11 +159,11 @@ class Adam(LowBitOptimizer):
     def _launch_flags(self, group):
         return dict(decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
 
-    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         """One parameter on the compiled path, with its row of :func:`adam_coefficients`."""
         p, grad, states = flat_aliases(p, p.grad, [state.get(k) for k in self.STATE_KEYS])
         self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
-                     amsgrad=group["amsgrad"], maximize=group["maximize"])
+                     amsgrad=group["amsgrad"], maximize=group["maximize"], round_key=round_key)
 
 
 class AdamW(Adam):
@@ -168,11 +174,12 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None,
-                 foreach=None, capturable=False, differentiable=False):
+                 foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
                          compile=compile, fused=fused, decoupled_weight_decay=True, foreach=foreach,
-                         capturable=capturable, differentiable=differentiable)
+                         capturable=capturable, differentiable=differentiable,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
 
 class Adam8bit(Adam):
@@ -180,10 +187,11 @@ class Adam8bit(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False):
+                 capturable=False, differentiable=False, bf16_stochastic_round=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
                          block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable)
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
 
 class AdamW8bit(AdamW):
@@ -191,10 +199,11 @@ class AdamW8bit(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False):
+                 capturable=False, differentiable=False, bf16_stochastic_round=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
                          block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable)
+                         foreach=foreach, capturable=capturable, differentiable=differentiable,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
 
 AdamDTQ8bit = Adam8bit

@@ -18,7 +18,10 @@ from torch import Tensor
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
-from torchao_optim.optim.sharded import is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size
+from torchao_optim.optim.rounding import rounding_key
+from torchao_optim.optim.sharded import (
+    element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
+)
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
@@ -133,13 +136,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
     STATE_KEYS: Tuple[str, ...] = ()  # every state key the optimizer may create (besides "step")
     UNSIGNED_KEYS: Tuple[str, ...] = ()  # the ones that never hold a negative value
     REQUIRED_GROUP_KEYS: Tuple[str, ...] = ("params", "lr")  # what a loadable state_dict's groups hold
-    STORAGE_KEYS: Tuple[str, ...] = ("state_format", "block_size", "min_quant_size")  # kept from the optimizer
+    # kept from the optimizer when a state_dict is loaded (how states are stored and params rounded)
+    STORAGE_KEYS: Tuple[str, ...] = ("state_format", "block_size", "min_quant_size", "bf16_stochastic_round")
     STEP_OPTIONAL = False  # torch.optim's form of the state has no "step" (SGD, Muon): a loaded one counts 1
     update_fn = None  # the compiled path's rule
 
     def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
-                 capturable: bool = False, differentiable: bool = False):
+                 capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False):
         name = type(self).__name__
+        defaults = dict(defaults, bf16_stochastic_round=bf16_stochastic_round)
         check_storage(defaults["block_size"], defaults["min_quant_size"])
         if defaults["state_format"] != "none":
             get_state_format(defaults["state_format"])  # raises ValueError naming the registered formats
@@ -157,6 +162,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
         self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
+        self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
         # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
         self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
         self._interpreter = fused is True
@@ -195,6 +201,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         where = f"param group {len(self.param_groups) - 1 if index is None else index}"
         try:
             self._check_hyperparams(group)
+            check_bool(group, "bf16_stochastic_round")
             check_storage(group["block_size"], group["min_quant_size"])
             if group["state_format"] != "none":
                 get_state_format(group["state_format"])  # raises ValueError naming the registered formats
@@ -355,6 +362,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _launch_flags(self, group) -> Dict[str, Any]:
         return {}
 
+    def _rounding(self, params: List[Tensor]) -> List[Tuple[int, int]]:
+        """``(position in the optimizer, element offset of the local shard)`` of each of ``params``: what the
+        stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.optim.rounding`)."""
+        if any(id(p) not in self._positions for p in params):
+            self._positions = {id(p): i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
+        return [(self._positions[id(p)], element_offset(p)) for p in params]
+
     @torch.no_grad()
     def step(self, closure=None):
         """Perform a single optimization step.
@@ -372,9 +386,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             rule = self._fused_rule(group) if params and self._fused else None
             if rule is not None:
                 plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, rule,
-                                         self._interpreter)
+                                         self._interpreter, self._rounding)
                 for plan in plans:
-                    plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group))
+                    plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group),
+                                stochastic_round=group["bf16_stochastic_round"])
             if rest and self._capturable:
                 p = params[rest[0]]
                 raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
@@ -400,12 +415,25 @@ class LowBitOptimizer(torch.optim.Optimizer):
             # so a first row at offset 0 would compile a graph of its own.
             coefs = torch.nn.functional.pad(coefs, (0, 0, 1, 0))
             rows64, rows32 = coefs.unbind(0), coefs.to(torch.float32).unbind(0)
+            keys = self._round_keys([params[i] for i in idx], steps, group, device)
             for row, i in enumerate(idx, start=1):
                 if local(params[i]).numel() == 0:
                     continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
+                key = keys[row] if keys is not None and params[i].dtype == torch.bfloat16 else None
                 self._step_one(params[i], states[i], group,
-                               rows64[row] if params[i].dtype == torch.float64 else rows32[row])
+                               rows64[row] if params[i].dtype == torch.float64 else rows32[row], key)
 
-    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
-        """One parameter on the compiled path, with its row of :meth:`_coefficients`."""
+    def _round_keys(self, params, steps, group, device) -> Optional[Tuple[Tensor, ...]]:
+        """With ``bf16_stochastic_round`` and a bf16 parameter among ``params``: each parameter's int64
+        ``(key, element offset)`` row for :func:`~torchao_optim.optim.update.store_param`, from its advanced
+        step count, computed for all at once; padded by one row like the coefficients. Else None."""
+        if not group["bf16_stochastic_round"] or not any(p.dtype == torch.bfloat16 for p in params):
+            return None
+        info = torch.tensor(self._rounding(params), dtype=torch.int64).to(device)  # (n, 2)
+        keys = rounding_key(info[:, 0], torch.stack(steps).reshape(-1))
+        return torch.nn.functional.pad(torch.stack([keys, info[:, 1]], 1), (0, 0, 1, 0)).unbind(0)
+
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key: Optional[Tensor] = None) -> None:
+        """One parameter on the compiled path, with its row of :meth:`_coefficients` (and, for stochastic
+        rounding of a bf16 parameter, its ``(key, element offset)`` row)."""
         raise NotImplementedError

@@ -149,7 +149,8 @@ def _placeholder(device) -> Tensor:
 class GroupPlan:
     """Device tables for one launch over ``params`` (all with the same :func:`plan_key`)."""
 
-    def __init__(self, key: tuple, params: List[Tensor], states: List[dict]):
+    def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
+                 rounding: Optional[List[Tuple[int, int]]] = None):
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype = key
         if self.rule.name == "adam":
             self.m_layout, self.v_layout = self.layouts
@@ -185,6 +186,14 @@ class GroupPlan:
         from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
         self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
+        # (position in the optimizer, element offset) per parameter: what stochastic rounding hashes
+        self.round_info = torch.tensor(rounding or [(i, 0) for i in range(len(params))],
+                                       dtype=torch.int64).reshape(-1, 2).to(device)
+        self.bf16 = param_dtype == torch.bfloat16
+
+    def rounds(self, stochastic_round: bool) -> bool:
+        """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
+        return bool(stochastic_round) and self.bf16
 
     def refresh_grads(self) -> None:
         """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
@@ -200,14 +209,15 @@ class GroupPlan:
             self.grad_key = key
             self.grads_aligned = all(k % 16 == 0 for k in key)
 
-    def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False, **flags) -> None:
+    def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False,
+               stochastic_round: bool = False, **flags) -> None:
         """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
         ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
         Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update."""
         if self.rule.name != "adam":
             from torchao_optim.kernels.triton_momentum import launch_momentum
 
-            return launch_momentum(self, hyperparams, maximize=maximize, **flags)
+            return launch_momentum(self, hyperparams, maximize=maximize, stochastic_round=stochastic_round, **flags)
         from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
 
         self.refresh_grads()
@@ -217,9 +227,11 @@ class GroupPlan:
         if self.n_programs == 0:
             return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
         self.compiled = adam_kernel[(self.n_programs,)](
-            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, *self.tables,
+            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.steps,
+            self.round_info, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
             PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, FAST_DIV=not _interpreter(),
+            SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
@@ -228,7 +240,7 @@ class GroupPlan:
 
 
 def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Optional[FusedRule],
-               interpreter: bool = False) -> Tuple[List[GroupPlan], List[int]]:
+               interpreter: bool = False, rounding=None) -> Tuple[List[GroupPlan], List[int]]:
     """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
     while the same parameters have gradients under the same rule), and the indexes of the parameters left to
     the compiled path."""
@@ -246,6 +258,9 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
             rest.append(i)
         else:
             buckets.setdefault(k, []).append(i)
-    plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx]) for k, idx in buckets.items()]
+    # rounding(params): (position, element offset) of each, for stochastic rounding (optim/base.py)
+    plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx],
+                       rounding([params[i] for i in idx]) if rounding is not None else None)
+             for k, idx in buckets.items()]
     cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest)
     return plans, rest

@@ -19,7 +19,9 @@ from torchao_optim.optim.base import (
 )
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.sharded import is_dtensor
-from torchao_optim.optim.update import adam_coefficients, adam_update, muon_coefficients, muon_momentum
+from torchao_optim.optim.update import (
+    adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param,
+)
 
 __all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
 
@@ -115,7 +117,7 @@ class Muon8bit(LowBitOptimizer):
                  ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS, adjust_lr_fn=None, *,
                  adamw_betas=(0.9, 0.95), adamw_eps=1e-8, use_muon=None, maximize=False, state_format="dtq8",
                  block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None, capturable=False,
-                 differentiable=False):
+                 differentiable=False, bf16_stochastic_round=False):
         if fused:
             raise ValueError("Muon8bit(fused=True): no fused kernel implements Muon (its cost is the "
                              "orthogonalization's matrix products); pass fused=None or False")
@@ -129,7 +131,8 @@ class Muon8bit(LowBitOptimizer):
                         min_quant_size=min_quant_size)
         self._check_hyperparams(dict(defaults, params=[]))
         super().__init__(params, defaults, compile=compile, fused=False, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable)
+                         differentiable=differentiable,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _setup(self, compile, fused, foreach=None, capturable=False) -> None:
         super()._setup(compile, False, foreach, capturable)
@@ -185,11 +188,11 @@ class Muon8bit(LowBitOptimizer):
         adam = adam_coefficients(steps, torch.stack([lr, b1, b2, eps, weight_decay]), True)
         return torch.cat([muon, adam], dim=-1)
 
-    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         if not self._uses_muon(group, p):
             param, grad, states = flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]])
             self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True, amsgrad=False,
-                              maximize=group["maximize"])
+                              maximize=group["maximize"], round_key=round_key)
             return
         if is_dtensor(p):
             raise NotImplementedError(
@@ -201,4 +204,4 @@ class Muon8bit(LowBitOptimizer):
         ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
         x = p.to(torch.promote_types(p.dtype, torch.float32))
         new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)
-        p.copy_(torch.where(ok.reshape(p.shape), new, x))
+        store_param(p, torch.where(ok.reshape(p.shape), new, x), round_key)

@@ -44,10 +44,11 @@ def rounding_key(index: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return mix32(mix32(index.to(torch.int64) & _MASK) ^ (step.to(torch.int64) & _MASK))
 
 
-def stochastic_round_bf16(x: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, key: torch.Tensor, offset=0) -> torch.Tensor:
     """``x`` (fp32) rounded to bf16 stochastically with the random bits of ``key`` (0-d int64, see
-    :func:`rounding_key`) for element ``i`` of ``x`` in row-major order. Unbiased: ``E[result] = x``."""
-    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape)
+    :func:`rounding_key`) for element ``offset + i`` of ``x`` in row-major order (``offset``: where ``x``
+    starts in its whole parameter, for a shard). Unbiased: ``E[result] = x``."""
+    index = torch.arange(x.numel(), device=x.device, dtype=torch.int64).view(x.shape) + offset
     noise = (mix32(key ^ (index & _MASK)) >> 16).to(torch.int32)
     bits = x.to(torch.float32).contiguous().view(torch.int32)
     return ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)  # the top half is the bf16 pattern

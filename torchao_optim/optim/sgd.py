@@ -54,14 +54,15 @@ class SGD8bit(LowBitOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True,
-                 fused=None, foreach=None, capturable=False, differentiable=False):
+                 fused=None, foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False):
         _check(lr, momentum, dampening, weight_decay, nesterov)
         check_storage(block_size, min_quant_size)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
                         maximize=maximize, state_format=state_format, block_size=block_size,
                         min_quant_size=min_quant_size)
         super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable)
+                         differentiable=differentiable,
+                         bf16_stochastic_round=bf16_stochastic_round)
 
     def _check_hyperparams(self, group) -> None:
         for key in ("momentum", "dampening", "weight_decay"):
@@ -85,7 +86,8 @@ class SGD8bit(LowBitOptimizer):
     def _launch_flags(self, group):
         return dict(maximize=group["maximize"], nesterov=group["nesterov"])
 
-    def _step_one(self, p: Tensor, state, group, coefs: Tensor) -> None:
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         buf = state.get("momentum_buffer") if group["momentum"] != 0 else None
         p, grad, (buf,) = flat_aliases(p, p.grad, [buf])
-        self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"])
+        self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"],
+                     round_key=round_key)

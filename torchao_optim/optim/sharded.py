@@ -22,7 +22,8 @@ from typing import Optional, Sequence
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "quantizable_sharding", "row_aligned_block_size", "like_param", "local_part"]
+__all__ = ["is_dtensor", "local", "quantizable_sharding", "row_aligned_block_size", "like_param", "local_part",
+           "local_rows", "element_offset"]
 
 
 # How far the rule may shrink a format's block (a scale per 32 elements for 256-element blocks: 1.125 bytes
@@ -74,9 +75,8 @@ def like_param(p: Tensor, local_state: Tensor) -> Tensor:
                               stride=p.stride())
 
 
-def local_part(p: Tensor, full: Tensor) -> Tensor:
-    """The rows of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds, taken with
-    ``narrow`` (a quantized ``full`` is sliced on its block boundaries by the op table). Each ``Shard(0)`` mesh
+def local_rows(p: Tensor) -> tuple:
+    """``(first row, rows)`` of ``p``'s global dim 0 that its local shard holds. Each ``Shard(0)`` mesh
     dimension, in order, splits the rows left by the previous ones into chunks of ``ceil(rows / size)``."""
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
@@ -84,8 +84,6 @@ def local_part(p: Tensor, full: Tensor) -> Tensor:
     if not quantizable_sharding(p.placements):
         raise ValueError(f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
                          f"Replicate() on every mesh dimension), not {tuple(p.placements)}")
-    if len(p.shape) == 0:
-        return full
     mesh, start, rows = p.device_mesh, 0, p.shape[0]
     for dim, placement in enumerate(p.placements):
         if type(placement) is Shard:
@@ -95,4 +93,24 @@ def local_part(p: Tensor, full: Tensor) -> Tensor:
     if rows != local(p).shape[0]:
         raise ValueError(f"rows {start}:{start + rows} of {tuple(p.shape)} computed for this rank, but its shard "
                          f"has {local(p).shape[0]} rows")
+    return start, rows
+
+
+def element_offset(p: Tensor) -> int:
+    """Where ``p``'s local shard starts in the whole parameter, in elements (row-major); 0 for a plain tensor
+    and for placements that do not shard rows (stochastic rounding then draws the bits of a whole tensor)."""
+    if not is_dtensor(p) or len(p.shape) == 0 or not quantizable_sharding(p.placements):
+        return 0
+    return local_rows(p)[0] * math.prod(p.shape[1:])
+
+
+def local_part(p: Tensor, full: Tensor) -> Tensor:
+    """The rows of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds (:func:`local_rows`),
+    taken with ``narrow`` (a quantized ``full`` is sliced on its block boundaries by the op table)."""
+    if not quantizable_sharding(p.placements):
+        raise ValueError(f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
+                         f"Replicate() on every mesh dimension), not {tuple(p.placements)}")
+    if len(p.shape) == 0:
+        return full
+    start, rows = local_rows(p)
     return full if rows == full.shape[0] else full.narrow(0, start, rows)

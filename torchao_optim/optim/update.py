@@ -16,6 +16,8 @@ from typing import Optional
 
 import torch
 
+from torchao_optim.optim.rounding import stochastic_round_bf16
+
 __all__ = [
     "adam_update", "adam_coefficients", "COEFS", "sgd_update", "sgd_coefficients", "SGD_COEFS", "lion_update",
     "lion_coefficients", "LION_COEFS", "muon_momentum", "muon_coefficients", "MUON_COEFS",
@@ -49,6 +51,14 @@ def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_w
     return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (5,))], dim=-1)
 
 
+def store_param(param: torch.Tensor, value: torch.Tensor, round_key: Optional[torch.Tensor]) -> None:
+    """``param.copy_(value)``; a bf16 ``param`` with a ``round_key`` (int64 ``(key, element offset)``, see
+    :mod:`torchao_optim.optim.rounding`) is written with stochastic rounding instead of round-to-nearest."""
+    if round_key is not None and param.dtype == torch.bfloat16:
+        value = stochastic_round_bf16(value.to(torch.float32), round_key[0], round_key[1])
+    param.copy_(value)
+
+
 def adam_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -60,8 +70,10 @@ def adam_update(
     decoupled_weight_decay: bool,
     amsgrad: bool,
     maximize: bool,
+    round_key: Optional[torch.Tensor] = None,
 ) -> None:
-    """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place.
+    """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place (``round_key``: see
+    :func:`store_param`).
 
     ``coefs`` is this parameter's row of :func:`adam_coefficients` (7,), in the compute dtype: changing a
     hyperparameter changes data, never the compiled graph.
@@ -99,7 +111,7 @@ def adam_update(
 
     denom = v.sqrt() * inv_bc2 + eps
     p_new = p_decayed - step_size * (m / denom)
-    param.copy_(torch.where(ok, p_new, p))
+    store_param(param, torch.where(ok, p_new, p), round_key)
 
 
 # ---- the one-state rules: SGD with momentum, Lion, Muon's momentum ---------------------------------------
@@ -130,6 +142,7 @@ def sgd_update(
     *,
     nesterov: bool,
     maximize: bool,
+    round_key: Optional[torch.Tensor] = None,
 ) -> None:
     """One ``torch.optim.SGD`` step on one parameter, in place (``momentum_buffer`` None: momentum 0)."""
     lr, wd, momentum, grad_coef = coefs.unbind()
@@ -146,7 +159,7 @@ def sgd_update(
         buf = torch.where(ok, buf_new, momentum_buffer)
         momentum_buffer.copy_(buf)
         g = g + momentum * buf if nesterov else buf
-    param.copy_(torch.where(ok, p - lr * g, p))
+    store_param(param, torch.where(ok, p - lr * g, p), round_key)
 
 
 LION_COEFS = ("lr", "weight_decay_factor", "one_minus_beta1", "one_minus_beta2")
@@ -166,6 +179,7 @@ def lion_update(
     coefs: torch.Tensor,
     *,
     maximize: bool,
+    round_key: Optional[torch.Tensor] = None,
 ) -> None:
     """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on one parameter:
     ``c = beta1 * m + (1 - beta1) * g;  p = p * (1 - lr * wd) - lr * sign(c);  m = beta2 * m + (1 - beta2) * g``."""
@@ -180,7 +194,7 @@ def lion_update(
     m_new = exp_avg + one_minus_beta2 * (g - exp_avg)
     ok = finite & torch.isfinite(m_new) & torch.isfinite(c)
     exp_avg.copy_(torch.where(ok, m_new, exp_avg))
-    param.copy_(torch.where(ok, p * wd_factor - lr * torch.sign(c), p))
+    store_param(param, torch.where(ok, p * wd_factor - lr * torch.sign(c), p), round_key)
 
 
 MUON_COEFS = ("lr", "weight_decay_factor", "one_minus_momentum", "momentum")
