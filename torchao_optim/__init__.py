@@ -3,6 +3,7 @@ from torchao_optim.optim import (
     SGD8bit, Adam, Adam4bit, Adam8bit, AdamDTQ8bit, AdamFp8, AdamW, AdamW4bit, AdamW8bit, AdamWFp8, Lion8bit,
     Muon8bit, dequantize_state_dict,
 )
+from torchao_optim.optim.backward import step_in_backward
 from torchao_optim.optim.overrides import overrides
 from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.quant import create_dynamic_map
@@ -35,6 +36,7 @@ __all__ = [
     "dequantize_state_dict",
     "quantize_optimizer_state",
     "overrides",
+    "step_in_backward",
     "UNSIGNED_STATE_KEYS",
     "DTQ8bitTensor",
     "FourBitRank1Tensor",

@@ -163,6 +163,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._plans: Dict[int, dict] = {}
         self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
         self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
+        self._in_backward: Optional[Dict[int, tuple]] = None  # step_in_backward: id(param) -> (its list, plans)
         # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
         self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
         self._interpreter = fused is True
@@ -324,6 +325,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # ---- the step -----------------------------------------------------------------------------------
+    def _check_grad(self, p: Tensor, grad: Tensor) -> None:
+        if is_dtensor(p) != is_dtensor(grad) or (is_dtensor(p) and grad.placements != p.placements):
+            raise RuntimeError(f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
+                               f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
+                               f"with placements {getattr(grad, 'placements', None)}; they must match")
+        if grad.is_sparse:
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if grad.is_complex() or p.is_complex():
+            raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+
     def _params_with_grad(self, group) -> Tuple[List[Tensor], List[dict]]:
         """The group's parameters that have a gradient, and their states (created on first use). The lists
         are reused while the same parameters have gradients and the group's state keys are the same: a step
@@ -340,14 +351,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for p, grad in zip(group["params"], grads):
             if grad is None:
                 continue
-            if is_dtensor(p) != is_dtensor(grad) or (is_dtensor(p) and grad.placements != p.placements):
-                raise RuntimeError(f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
-                                   f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
-                                   f"with placements {getattr(grad, 'placements', None)}; they must match")
-            if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
-            if grad.is_complex() or p.is_complex():
-                raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
+            self._check_grad(p, grad)
             state = self.state[p]
             self._init_state(p, group, state)
             params.append(p)
@@ -380,24 +384,42 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self, "_in_backward", None) is not None:
+            raise RuntimeError(f"{type(self).__name__}.step(): this optimizer steps in backward "
+                               f"(torchao_optim.step_in_backward); call the handle's remove() to step it again")
         for group in self.param_groups:
             params, states = self._params_with_grad(group)
-            rest = range(len(params))
-            rule = self._fused_rule(group) if params and self._fused else None
-            if rule is not None:
-                plans, rest = plan_group(self._plans.setdefault(id(group), {}), params, states, rule,
-                                         self._interpreter, self._rounding)
-                for plan in plans:
-                    plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group),
-                                stochastic_round=group["bf16_stochastic_round"])
-            if rest and self._capturable:
-                p = params[rest[0]]
-                raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
-                                 f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
-                                 f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')")
-            if rest:
-                self._step_compiled([params[i] for i in rest], [states[i] for i in rest], group)
+            self._step_group(group, params, states, self._plans.setdefault(id(group), {}))
         return loss
+
+    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache: Dict) -> None:
+        """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in ``plan_cache`` while
+        the same list comes back), then the compiled path for the rest."""
+        rest = range(len(params))
+        rule = self._fused_rule(group) if params and self._fused else None
+        if rule is not None:
+            plans, rest = plan_group(plan_cache, params, states, rule, self._interpreter, self._rounding)
+            for plan in plans:
+                plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group),
+                            stochastic_round=group["bf16_stochastic_round"])
+        if rest and self._capturable:
+            p = params[rest[0]]
+            raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
+                             f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
+                             f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')")
+        if rest:
+            self._step_compiled([params[i] for i in rest], [states[i] for i in rest], group)
+
+    @torch.no_grad()
+    def _step_param(self, p: Tensor) -> None:
+        """The step of one parameter, from its gradient (``step_in_backward``'s hook). Its plan is its own, kept
+        while it steps this way."""
+        group = self._group_of[id(p)]
+        state = self.state[p]
+        self._check_grad(p, p.grad)
+        self._init_state(p, group, state)
+        params, cache = self._in_backward.setdefault(id(p), ([p], {}))
+        self._step_group(group, params, [state], cache)
 
     def _step_compiled(self, params, states, group) -> None:
         """The per-parameter compiled path: every format, every device. The step counts are advanced and the

@@ -1,0 +1,86 @@
+"""``step_in_backward``: each parameter steps as soon as its gradient is accumulated and the gradient is freed;
+training is bit for bit what backward + ``step()`` gives, on both executors, for every optimizer of ours."""
+import pytest
+import torch
+
+from torchao_optim import AdamW8bit, Lion8bit, SGD8bit, step_in_backward
+from torchao_optim.optim.fused import fused_available
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+OPTIMIZERS = {
+    "AdamW8bit": lambda ps, fused: AdamW8bit(ps, lr=1e-2, fused=fused),
+    "SGD8bit": lambda ps, fused: SGD8bit(ps, lr=1e-2, momentum=0.9, fused=fused),
+    "Lion8bit": lambda ps, fused: Lion8bit(ps, lr=1e-3, weight_decay=0.1, fused=fused),
+}
+EXECUTORS = [False] + ([True] if fused_available(DEVICE) else [])
+
+
+def _model():
+    torch.manual_seed(0)
+    # 96x64 and 64x96 weights are past min_quant_size (4096): quantized state; biases keep plain state
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64)).to(DEVICE)
+
+
+def _batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 64, generator=g).to(DEVICE), torch.randn(8, 64, generator=g).to(DEVICE))
+            for _ in range(n)]
+
+
+def _loss(model, x, y):
+    return (model(x) - y).square().mean()
+
+
+@pytest.mark.parametrize("fused", EXECUTORS, ids=lambda f: "fused" if f else "compiled")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_same_training_as_step_after_backward(name, fused):
+    ref, ours = _model(), _model()
+    ref_opt = OPTIMIZERS[name](ref.parameters(), fused)
+    opt = OPTIMIZERS[name](ours.parameters(), fused)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 1, gamma=0.5)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    handle = step_in_backward(ours, opt)
+    for x, y in _batches(4):
+        _loss(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        _loss(ours, x, y).backward()  # steps every parameter
+        sched.step()
+        assert all(p.grad is None for p in ours.parameters())
+    for a, b in zip(ref.parameters(), ours.parameters()):
+        assert torch.equal(a, b)
+    handle.remove()
+    _loss(ours, *_batches(1)[0]).backward()
+    opt.step()  # a plain step again, from the per-parameter step counts
+    assert all(float(opt.state[p]["step"]) == 5 for p in ours.parameters())
+
+
+def test_never_more_than_one_gradient_alive():
+    model = _model()
+    params = list(model.parameters())
+    alive = []
+    for p in params:  # registered first: runs before the step's hook, and sees every gradient alive then
+        p.register_post_accumulate_grad_hook(lambda _: alive.append(sum(q.grad is not None for q in params)))
+    opt = AdamW8bit(model.parameters())
+    step_in_backward(model, opt)
+    _loss(model, *_batches(1)[0]).backward()
+    assert alive == [1] * len(params)
+
+
+def test_what_needs_every_gradient_is_refused():
+    model = _model()
+    opt = AdamW8bit(model.parameters())
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        step_in_backward(model, opt, max_grad_norm=1.0)
+    with pytest.raises(TypeError, match="AdamW"):
+        step_in_backward(model, torch.optim.AdamW(model.parameters()))
+    handle = step_in_backward(model, opt)
+    with pytest.raises(RuntimeError, match="steps in backward"):
+        opt.step()
+    with pytest.raises(RuntimeError, match="already"):
+        step_in_backward(model, opt)
+    with pytest.raises(ValueError, match="not among the model's parameters"):
+        step_in_backward(torch.nn.Linear(2, 2), AdamW8bit(model.parameters()))
+    handle.remove()
+    opt.step()
