@@ -389,16 +389,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
                                f"(torchao_optim.step_in_backward); call the handle's remove() to step it again")
         for group in self.param_groups:
             params, states = self._params_with_grad(group)
-            self._step_group(group, params, states, self._plans.setdefault(id(group), {}))
+            self._step_group(group, params, states, lambda: self._plans.setdefault(id(group), {}))
         return loss
 
-    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache: Dict) -> None:
-        """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in ``plan_cache`` while
-        the same list comes back), then the compiled path for the rest."""
+    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache) -> None:
+        """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in the dict
+        ``plan_cache()`` gives, while the same list comes back), then the compiled path for the rest."""
         rest = range(len(params))
         rule = self._fused_rule(group) if params and self._fused else None
         if rule is not None:
-            plans, rest = plan_group(plan_cache, params, states, rule, self._interpreter, self._rounding)
+            plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
             for plan in plans:
                 plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group),
                             stochastic_round=group["bf16_stochastic_round"])
@@ -419,7 +419,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._check_grad(p, p.grad)
         self._init_state(p, group, state)
         params, cache = self._in_backward.setdefault(id(p), ([p], {}))
-        self._step_group(group, params, [state], cache)
+        self._step_group(group, params, [state], lambda: cache)
 
     def _step_compiled(self, params, states, group) -> None:
         """The per-parameter compiled path: every format, every device. The step counts are advanced and the
