@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -41,6 +40,7 @@ from torchao_optim.state import QuantizedState  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_step import gpt25m_shapes, llama_1b_shapes  # noqa: E402
+from optimizers import state_nbytes, time_call, wall_time  # noqa: E402
 
 Shape = Tuple[int, ...]
 LR, WD, STEPS, MIN_QUANT = 1e-2, 0.1, 3, 1024
@@ -238,33 +238,6 @@ def optimizers(device) -> Dict[str, Callable]:
     return f
 
 
-def local_state_bytes(opt) -> int:
-    """Bytes of optimizer state this rank holds (the local shards' inner tensors)."""
-    total = 0
-    for state in opt.state.values():
-        for value in state.values():
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                continue
-            value = value.to_local() if isinstance(value, DTensor) else value
-            flatten = getattr(value, "__tensor_flatten__", None)
-            inner = [getattr(value, n) for n in flatten()[0]] if flatten is not None else [value]
-            total += sum(t.numel() * t.element_size() for t in inner)
-    return total
-
-
-def timed(fn, device) -> float:
-    if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def slowest(value: float, device) -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -276,16 +249,12 @@ def bench(name, factory, shapes, device, dtype, steps, warmup) -> Dict:
     model, params = sharded_params(shapes, device, dtype)
     opt = factory(params)
     dist.barrier()
-    t0 = time.perf_counter()
-    opt.step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t0
+    first = wall_time(opt.step, device)
     for _ in range(warmup):
         opt.step()
-    times = [timed(opt.step, device) for _ in range(steps)]
+    times = [time_call(opt.step, device) for _ in range(steps)]
     out = dict(name=name, first_step_s=slowest(first, device), step_ms=1e3 * slowest(statistics.median(times), device),
-               state_bytes_per_rank=int(slowest(local_state_bytes(opt), device)),
+               state_bytes_per_rank=int(slowest(state_nbytes(opt), device)),
                params_per_rank=int(slowest(sum(p.to_local().numel() for p in params), device)))
     if device == "cuda":
         torch.cuda.synchronize()

@@ -116,11 +116,7 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
         p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
         params.append(p)
     opt = optimizers.build(name, params)
-    t0 = time.perf_counter()
-    opt.step()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    first = time.perf_counter() - t0
+    first = optimizers.wall_time(opt.step, device)
     for _ in range(warmup):
         opt.step()
     times = [optimizers.time_call(opt.step, device) for _ in range(steps)]

@@ -38,10 +38,11 @@ import torch
 # The benchmarks measure the checkout they belong to, whatever else is installed.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torchao_optim  # noqa: E402
+from torchao_optim.optim.sharded import is_dtensor  # noqa: E402
 from torchao_optim.state import QuantizedState  # noqa: E402
 
 __all__ = ["OptimizerEntry", "optimizer_table", "resolve", "build", "missing_package", "state_nbytes",
-           "state_bytes_per_element", "lr_at", "set_lr", "time_call", "ALIASES"]
+           "state_bytes_per_element", "lr_at", "set_lr", "time_call", "wall_time", "ALIASES"]
 
 
 @dataclass(frozen=True)
@@ -216,14 +217,16 @@ def build(name: str, params: Iterable, lr: float = 1e-3, weight_decay: float = 0
 # ---- what a benchmark measures ----------------------------------------------------------------------------
 
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of every tensor in ``optimizer.state``, tensor subclasses counted by their inner tensors, each
-    storage counted once (torchao's subclasses, for instance, may share a code table)."""
+    """Bytes of every tensor in ``optimizer.state`` (a DTensor's local shard: what this rank holds), tensor
+    subclasses counted by their inner tensors, each storage counted once (torchao's subclasses, for instance, may share a code table)."""
     seen = set()
     total = 0
 
     def add(t: torch.Tensor) -> None:
         nonlocal total
-        if isinstance(t, QuantizedState):
+        if is_dtensor(t):  # FSDP2: this rank's shard
+            add(t.to_local())
+        elif isinstance(t, QuantizedState):
             for inner in t.fields().values():
                 add(inner)
         elif type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):  # another library's subclass
@@ -285,6 +288,16 @@ def time_call(fn: Callable[[], object], device: str) -> float:
         return start.elapsed_time(end) / 1e3
     t0 = time.perf_counter()
     fn()
+    return time.perf_counter() - t0
+
+
+def wall_time(fn: Callable[[], object], device: str) -> float:
+    """Seconds from calling ``fn()`` until the device has finished its work: host time included (a first step's
+    compilation, for instance)."""
+    t0 = time.perf_counter()
+    fn()
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
     return time.perf_counter() - t0
 
 

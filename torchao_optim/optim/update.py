@@ -51,6 +51,16 @@ def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_w
     return torch.cat([per_step, consts.expand(per_step.shape[:-1] + (5,))], dim=-1)
 
 
+def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):
+    """``(g, finite)``: the gradient in ``dtype`` (negated with ``maximize``) with its non-finite elements set
+    to 0, and where they were finite: every rule skips the others (parameter and state keep their values)."""
+    g = grad.to(dtype)
+    if maximize:
+        g = -g
+    finite = torch.isfinite(g)
+    return torch.where(finite, g, 0.0), finite
+
+
 def store_param(param: torch.Tensor, value: torch.Tensor, round_key: Optional[torch.Tensor]) -> None:
     """``param.copy_(value)``; a bf16 ``param`` with a ``round_key`` (int64 ``(key, element offset)``, see
     :mod:`torchao_optim.optim.rounding`) is written with stochastic rounding instead of round-to-nearest."""
@@ -82,11 +92,7 @@ def adam_update(
     # State arithmetic in the state's dtype (fp32, or fp64 for the plain state of fp64 parameters); the
     # parameter's arithmetic in fp32, or fp64 for fp64 parameters, so that no update smaller than an fp32
     # ulp of the parameter is lost.
-    g = grad.to(exp_avg.dtype)
-    if maximize:
-        g = -g
-    finite = torch.isfinite(g)
-    g = torch.where(finite, g, 0.0)
+    g, finite = finite_grad(grad, exp_avg.dtype, maximize)
     p = param.to(torch.promote_types(param.dtype, torch.float32))
     if decoupled_weight_decay:
         p_decayed = p * wd
@@ -147,11 +153,8 @@ def sgd_update(
     """One ``torch.optim.SGD`` step on one parameter, in place (``momentum_buffer`` None: momentum 0)."""
     lr, wd, momentum, grad_coef = coefs.unbind()
     p = param.to(torch.promote_types(param.dtype, torch.float32))
-    g = grad.to(momentum_buffer.dtype if momentum_buffer is not None else p.dtype)
-    if maximize:
-        g = -g
-    finite = torch.isfinite(g)
-    g = torch.where(finite, g, 0.0) + (wd * p).to(g.dtype)
+    g, finite = finite_grad(grad, momentum_buffer.dtype if momentum_buffer is not None else p.dtype, maximize)
+    g = g + (wd * p).to(g.dtype)
     ok = finite
     if momentum_buffer is not None:
         buf_new = momentum_buffer * momentum + grad_coef * g
@@ -185,11 +188,7 @@ def lion_update(
     ``c = beta1 * m + (1 - beta1) * g;  p = p * (1 - lr * wd) - lr * sign(c);  m = beta2 * m + (1 - beta2) * g``."""
     lr, wd_factor, one_minus_beta1, one_minus_beta2 = coefs.unbind()
     p = param.to(torch.promote_types(param.dtype, torch.float32))
-    g = grad.to(exp_avg.dtype)
-    if maximize:
-        g = -g
-    finite = torch.isfinite(g)
-    g = torch.where(finite, g, 0.0)
+    g, finite = finite_grad(grad, exp_avg.dtype, maximize)
     c = exp_avg + one_minus_beta1 * (g - exp_avg)
     m_new = exp_avg + one_minus_beta2 * (g - exp_avg)
     ok = finite & torch.isfinite(m_new) & torch.isfinite(c)
@@ -220,11 +219,7 @@ def muon_momentum(
     in the direction (the orthogonalization mixes every element: one NaN would spread to all) and is marked
     not ``ok``, so that its parameter is left alone."""
     _, _, one_minus_momentum, momentum = coefs.unbind()
-    g = grad.to(momentum_buffer.dtype)
-    if maximize:
-        g = -g
-    finite = torch.isfinite(g)
-    g = torch.where(finite, g, 0.0)
+    g, finite = finite_grad(grad, momentum_buffer.dtype, maximize)
     buf_new = momentum_buffer + one_minus_momentum * (g - momentum_buffer)
     ok = finite & torch.isfinite(buf_new)
     buf = torch.where(ok, buf_new, momentum_buffer)

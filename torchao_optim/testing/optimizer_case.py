@@ -117,6 +117,23 @@ class OptimizerConformanceCase(expecttest.TestCase):
                 sched.step()
 
     # ---- assertions -------------------------------------------------------------------------------------
+    def step_with_bad_gradients(self, bad):
+        """Two runs A and B, one step each on the same gradients; then a second step where A's gradients hold
+        ``bad`` (per parameter, (flat index, value) pairs) and B's do not. Returns ``(a, b, opt_a, opt_b,
+        before)``, ``before`` A's parameters and states (as fp32) before the second step."""
+        a, b = self.params(), self.params()
+        oa, ob = self.optimizer(a), self.optimizer(b)
+        self.train(oa, a, 1)
+        self.train(ob, b, 1)
+        before = [(p.detach().clone(), {k: _as_float(v).clone() for k, v in oa.state[p].items()}) for p in a]
+        for p, q, g, hits in zip(a, b, self.grads(1), bad):
+            p.grad, q.grad = g.clone(), g.clone()
+            for i, value in hits:
+                p.grad.view(-1)[i] = value
+        oa.step()
+        ob.step()
+        return a, b, oa, ob, before
+
     def assertExecutorUsed(self, opt, params):
         if self.executor == "fused":
             plans = opt._plans[id(opt.param_groups[0])]
@@ -222,17 +239,7 @@ class OptimizerConformanceCase(expecttest.TestCase):
         new value, so A and B requantize the same values with different scales: within one requantization
         error of each, and the bad element within one of its old value."""
         bad = [((3, NAN), (200, INF), (263, -INF)), ((5, NAN), (290, INF)), ((10, NAN),)]  # (flat index, value)
-        a, b = self.params(), self.params()
-        oa, ob = self.optimizer(a), self.optimizer(b)
-        self.train(oa, a, 1)
-        self.train(ob, b, 1)
-        before = [(p.detach().clone(), {k: _as_float(v).clone() for k, v in oa.state[p].items()}) for p in a]
-        for p, q, g, hits in zip(a, b, self.grads(1), bad):
-            p.grad, q.grad = g.clone(), g.clone()
-            for i, value in hits:
-                p.grad.view(-1)[i] = value
-        oa.step()
-        ob.step()
+        a, b, oa, ob, before = self.step_with_bad_gradients(bad)
         for p, q, hits, (p0, s0) in zip(a, b, bad, before):
             what = f"shape {tuple(p.shape)}"
             idx = torch.tensor([i for i, _ in hits], device=p.device)

@@ -213,17 +213,7 @@ class RuleConformanceCase(OptimizerConformanceCase):
         element is bit-identical (Muon: finite; its orthogonalization mixes the whole matrix)."""
         bad = [((3, float("nan")), (200, float("inf"))), ((5, float("nan")), (290, -float("inf"))),
                ((10, float("nan")),)]
-        a, b = self.params(), self.params()
-        oa, ob = self.optimizer(a), self.optimizer(b)
-        self.train(oa, a, 1)
-        self.train(ob, b, 1)
-        before = [(p.detach().clone(), {k: _as_float(v).clone() for k, v in oa.state[p].items()}) for p in a]
-        for p, q, g, hits in zip(a, b, self.grads(1), bad):
-            p.grad, q.grad = g.clone(), g.clone()
-            for i, value in hits:
-                p.grad.view(-1)[i] = value
-        oa.step()
-        ob.step()
+        a, b, oa, ob, before = self.step_with_bad_gradients(bad)
         for p, q, hits, (p0, s0) in zip(a, b, bad, before):
             what = f"{self.rule} shape {tuple(p.shape)}"
             idx = torch.tensor([i for i, _ in hits], device=p.device)
