@@ -101,6 +101,12 @@ class Adam(LowBitOptimizer):
             being lost), on the fused and the compiled path alike; the random bits are a hash of (the
             parameter's position in the optimizer, its step, the element), so runs are reproducible and a
             resumed run rounds as an uninterrupted one. Other dtypes are unaffected. Default: ``False``.
+        offload_state (bool, optional): keep the state of GPU parameters in page-locked host memory, in its
+            low-bit form, and stream it through the fused CUDA kernels in chunks, overlapped with the update
+            (GPU memory: two chunks; PCIe traffic: the state's bytes, both ways). Needs the fused path for
+            every GPU parameter (``ValueError`` naming one it does not cover); not with ``capturable`` or
+            DTensor parameters. ``state_dict()`` waits for the copies; read ``optimizer.state`` directly
+            only after ``torch.cuda.synchronize()``. See docs/bigger-models.md. Default: ``False``.
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
@@ -129,6 +135,7 @@ class Adam(LowBitOptimizer):
         capturable=False,
         differentiable=False,
         bf16_stochastic_round=False,
+        offload_state=False,
     ):
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
         defaults = dict(
@@ -137,7 +144,8 @@ class Adam(LowBitOptimizer):
             min_quant_size=min_quant_size,
         )
         super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable, bf16_stochastic_round=bf16_stochastic_round)
+                         differentiable=differentiable, bf16_stochastic_round=bf16_stochastic_round,
+                         offload_state=offload_state)
 
     def _check_hyperparams(self, group) -> None:
         _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -155,6 +163,9 @@ class Adam(LowBitOptimizer):
 
     def _fused_rule(self, group):
         return None if group["amsgrad"] else ADAM
+
+    def _unfused_reason(self, group) -> str:
+        return "amsgrad=True"
 
     def _launch_flags(self, group):
         return dict(decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])
@@ -174,12 +185,13 @@ class AdamW(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None,
-                 foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False):
+                 foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
                          state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
                          compile=compile, fused=fused, decoupled_weight_decay=True, foreach=foreach,
                          capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
 
 class Adam8bit(Adam):
@@ -187,11 +199,12 @@ class Adam8bit(Adam):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
                  maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False):
+                 capturable=False, differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
                          block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
 
 class AdamW8bit(AdamW):
@@ -199,11 +212,12 @@ class AdamW8bit(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False):
+                 capturable=False, differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
                          block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
                          foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
 
 AdamDTQ8bit = Adam8bit

@@ -18,6 +18,8 @@ from torch import Tensor
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
+from torchao_optim.optim import offload
+from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim.rounding import rounding_key
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
@@ -89,6 +91,24 @@ def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) 
                              f"its step can be captured in a CUDA graph")
 
 
+def check_offload(name: str, offload_state, fused, capturable) -> None:
+    """``offload_state=True`` streams state through the fused CUDA kernels: refused by name where they cannot run."""
+    if not isinstance(offload_state, bool):
+        raise ValueError(f"Invalid offload_state: {offload_state!r} (True or False)")
+    if not offload_state:
+        return
+    if fused is False:
+        raise ValueError(f"{name}(offload_state=True) streams the state through the fused CUDA path, which "
+                         f"fused=False turns off")
+    if capturable:
+        raise ValueError(f"{name}(offload_state=True, capturable=True) is not supported: the offloaded step "
+                         f"orders its copies with events on side streams, which a CUDA graph of the step would "
+                         f"freeze; choose one")
+    if not fused_available("cuda") and not (fused and fused_available("cpu")):
+        raise ValueError(f"{name}(offload_state=True) needs the fused CUDA path (Triton and a CUDA device): the "
+                         f"state is streamed through the GPU's fused kernels")
+
+
 def alias(t: Tensor, shape) -> Tensor:
     """``t`` (contiguous) with ``shape``, sharing its storage but not a ``view`` of it: torch.compile with
     dynamic shapes mishandles mutated inputs that are views of a differently shaped base."""
@@ -142,7 +162,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
     update_fn = None  # the compiled path's rule
 
     def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
-                 capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False):
+                 capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False,
+                 offload_state: bool = False):
         name = type(self).__name__
         defaults = dict(defaults, bf16_stochastic_round=bf16_stochastic_round)
         check_storage(defaults["block_size"], defaults["min_quant_size"])
@@ -151,13 +172,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
         check_torch_keywords(name, foreach, capturable, differentiable, fused)
         if fused and not fused_available():
             raise RuntimeError("fused=True needs Triton and a CUDA device (or, for testing, TRITON_INTERPRET=1)")
-        self._setup(compile, fused, foreach, capturable)
+        check_offload(name, offload_state, fused, capturable)
+        self._setup(compile, fused, foreach, capturable, offload_state)
         super().__init__(params, defaults)
 
-    def _setup(self, compile: bool, fused: Optional[bool], foreach=None, capturable: bool = False) -> None:
+    def _setup(self, compile: bool, fused: Optional[bool], foreach=None, capturable: bool = False,
+               offload_state: bool = False) -> None:
         """What the optimizer builds for itself rather than saves: the compiled update, caches, the path."""
         self._compile, self._fused_option = bool(compile), fused
-        self._foreach, self._capturable = foreach, capturable
+        self._foreach, self._capturable, self._offload_state = foreach, capturable, offload_state
+        self._slots: Optional[Slots] = None  # offload_state: the GPU window chunks of state run in
         self._update = CompiledOrEager(type(self).update_fn, enabled=self._compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
@@ -171,9 +195,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------
     def __getstate__(self) -> Dict[str, Any]:
         # The compiled update and the caches are rebuilt by the copy; only how to build them is saved.
+        self._wait_offloaded()
         state = super().__getstate__()
         state["options"] = {"compile": self._compile, "fused": self._fused_option, "foreach": self._foreach,
-                            "capturable": self._capturable}
+                            "capturable": self._capturable, "offload_state": self._offload_state}
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
@@ -206,6 +231,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             check_storage(group["block_size"], group["min_quant_size"])
             if group["state_format"] != "none":
                 get_state_format(group["state_format"])  # raises ValueError naming the registered formats
+            if self._offload_state and any(is_dtensor(p) for p in group["params"]):
+                raise ValueError("offload_state=True does not support DTensor (FSDP2) parameters: use FSDP2's "
+                                 "own CPUOffloadPolicy, or offload without sharding")
+            if self._offload_state and self._state_keys(group) and self._fused_rule(group) is None:
+                raise ValueError(f"offload_state=True needs the fused CUDA path, which no kernel gives this "
+                                 f"group's settings ({self._unfused_reason(group)})")
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
         for p in group["params"]:
@@ -218,6 +249,18 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _state_keys(self, group, p: Optional[Tensor] = None) -> Tuple[str, ...]:
         """The state keys ``p`` has in ``group`` (besides "step")."""
         raise NotImplementedError
+
+    def _unfused_reason(self, group) -> str:
+        """Why :meth:`_fused_rule` gives no rule for ``group`` (for error messages)."""
+        return "its update rule"
+
+    def _offloads(self, p: Tensor) -> bool:
+        """Whether ``p``'s state lives in host memory (``offload_state``): parameters on the fused device."""
+        return self._offload_state and (p.device.type == "cuda" or (self._interpreter and p.device.type == "cpu"))
+
+    def _state_device(self, p: Tensor) -> torch.device:
+        """Where ``p``'s states live between steps: host memory when offloaded, else ``p``'s device."""
+        return torch.device("cpu") if self._offloads(p) else local(p).device
 
     def _signed(self, key: str) -> bool:
         return key not in self.UNSIGNED_KEYS
@@ -255,14 +298,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _new_state_tensor(self, p: Tensor, group, signed: bool) -> Tensor:
         """A state of zeros for ``p``; for a DTensor parameter, the state of its local shard as a DTensor laid
-        out like ``p``."""
+        out like ``p``. An offloaded state is created on the meta device: the step's planner makes it, as zeros,
+        in host memory (:func:`~torchao_optim.optim.offload.plan_offloaded`)."""
         fmt = self._format_for(p, group)
         lp = local(p)
+        device = torch.device("meta") if self._offloads(p) else lp.device
         if fmt is None:
-            state = torch.zeros_like(lp, dtype=self._plain_state_dtype(p), memory_format=torch.contiguous_format)
+            state = torch.zeros(lp.shape, dtype=self._plain_state_dtype(p), device=device)
         else:
             state = fmt.zeros(lp.shape, signed=signed, block_size=self._block_size_for(p, group, fmt),
-                              device=lp.device)
+                              device=device)
         return like_param(p, state) if is_dtensor(p) else state
 
     def _init_state(self, p: Tensor, group, state) -> None:
@@ -284,6 +329,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         quantized, quantized ones dequantized where this optimizer keeps plain state); hyperparameters come
         from the checkpoint, how states are stored (``STORAGE_KEYS``) from this optimizer.
         """
+        self._wait_offloaded()
         state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -296,6 +342,59 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._hp_tensors.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """As ``torch.optim``'s (the state tensors themselves, not copies); with ``offload_state``, after the
+        last step's copies back to host memory have finished."""
+        self._wait_offloaded()
+        return super().state_dict()
+
+    # ---- offloaded state ----------------------------------------------------------------------------
+    def _wait_offloaded(self) -> None:
+        if getattr(self, "_slots", None) is not None:
+            self._slots.wait()
+
+    def _offload_slots(self, device: torch.device) -> Slots:
+        """The GPU window of ``offload_state``: two slots of the largest chunk, sized once for every parameter
+        of the optimizer (so that stepping parameter by parameter, in backward, never outgrows them)."""
+        if self._slots is not None and self._slots.device != device:
+            raise ValueError(f"{type(self).__name__}(offload_state=True) streams state through one GPU; "
+                             f"parameters on {self._slots.device} and {device}: use one optimizer per device")
+        if self._slots is None:
+            largest = 0
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if self._offloads(p):
+                        n = sum(state_nbytes(self._new_state_tensor(p, group, self._signed(k)))
+                                for k in self._state_keys(group, p))
+                        largest = max(largest, n)
+            self._slots = Slots(max(offload.CHUNK_BYTES, largest), device)
+        return self._slots
+
+    def _step_offloaded(self, group, params: List[Tensor], states: List[dict], rule: FusedRule, plan_cache,
+                        flags: Dict[str, Any]) -> None:
+        """The step of ``params`` (all offloaded) with their states streamed through the GPU in chunks."""
+        device = params[0].device
+        slots = self._offload_slots(device)
+        first = self._rounding(params[:1])[0][0]  # stepping one parameter at a time, they alternate slots
+        chunks, rest = plan_offloaded(plan_cache(), params, states, rule, slots, self._interpreter, self._rounding,
+                                      first_slot=first)
+        if rest:
+            self._refuse_unplanned(params, states, rest)
+        hp = self._hyperparams(group, device)
+        slots.run(chunks, lambda plan: plan.launch(hp, **flags))
+
+    def _refuse_unplanned(self, params: List[Tensor], states: List[dict], rest) -> None:
+        """``offload_state``: a parameter the fused path does not cover is refused by name (its states, not yet
+        made, are dropped: the optimizer stays usable)."""
+        for i in rest:
+            for key in [k for k, v in states[i].items() if isinstance(v, Tensor) and v.is_meta]:
+                del states[i][key]
+        p = params[rest[0]]
+        raise ValueError(f"{type(self).__name__}(offload_state=True): a parameter of shape {tuple(p.shape)} "
+                         f"({p.dtype}, {p.device}{', a DTensor' if is_dtensor(p) else ''}) is not covered by the "
+                         f"fused CUDA path, through which offloaded state is streamed (see docs/bigger-models.md, "
+                         f"'Offloaded state')")
 
     # ---- hyperparameters as a device tensor: changing them never recompiles, never syncs ---------------
     def _hyperparam_values(self, group) -> Tuple[Any, ...]:
@@ -397,11 +496,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
         ``plan_cache()`` gives, while the same list comes back), then the compiled path for the rest."""
         rest = range(len(params))
         rule = self._fused_rule(group) if params and self._fused else None
+        flags = dict(self._launch_flags(group), stochastic_round=group["bf16_stochastic_round"])
+        if rule is not None and self._offload_state:
+            offloaded = [i for i in rest if self._offloads(params[i])]
+            if offloaded:
+                self._step_offloaded(group, [params[i] for i in offloaded], [states[i] for i in offloaded], rule,
+                                     plan_cache, flags)
+            rest, rule = [i for i in rest if not self._offloads(params[i])], None  # the others: compiled path
         if rule is not None:
             plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
             for plan in plans:
-                plan.launch(self._hyperparams(group, plan.params[0].device), **self._launch_flags(group),
-                            stochastic_round=group["bf16_stochastic_round"])
+                plan.launch(self._hyperparams(group, plan.params[0].device), **flags)
         if rest and self._capturable:
             p = params[rest[0]]
             raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "

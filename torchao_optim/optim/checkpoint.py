@@ -178,7 +178,9 @@ def _checked_sharded_moment(optimizer, p: Tensor, fmt, block_size, key: str, val
 
 def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor, where: str) -> Tensor:
     """``value`` (a plain tensor or a quantized state, of ``p``'s shape) checked and converted to ``fmt`` with
-    ``block_size`` (None: plain state) on ``p``'s device."""
+    ``block_size`` (None: plain state) where the optimizer keeps ``p``'s state (its device, or host memory with
+    ``offload_state``)."""
+    device = optimizer._state_device(p)
     if value.shape != p.shape:
         raise ValueError(f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's "
                          f"{tuple(p.shape)}")
@@ -191,7 +193,7 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
         if fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(signed=signed,
                                                                                     block_size=block_size):
             # the layout this optimizer uses: the codes are kept as they are (exact resume)
-            return value.to(device=p.device, dtype=torch.float32, copy=True)
+            return value.to(device=device, dtype=torch.float32, copy=True)
         value = value.dequantize(torch.float32)
     elif not value.is_floating_point() or value.device.type == "meta":
         raise ValueError(f"{where} must be a floating-point tensor holding data, got {value.dtype} on "
@@ -202,5 +204,5 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
         rule = "finite" if signed else "finite and >= 0"
         raise ValueError(f"{where} must be {rule}; element {i} (flat) holds {value.reshape(-1)[i].item()}")
     if fmt is None:
-        return value.to(device=p.device, dtype=optimizer._plain_state_dtype(p), copy=True).contiguous()
-    return fmt.from_float(value.to(device=p.device, dtype=torch.float32), signed=signed, block_size=block_size)
+        return value.to(device=device, dtype=optimizer._plain_state_dtype(p), copy=True).contiguous()
+    return fmt.from_float(value.to(device=device, dtype=torch.float32), signed=signed, block_size=block_size)

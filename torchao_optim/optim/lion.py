@@ -50,14 +50,15 @@ class Lion8bit(LowBitOptimizer):
 
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
                  state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False):
+                 capturable=False, differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         _check(lr, betas, weight_decay)
         check_storage(block_size, min_quant_size)
         defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize,
                         state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
         super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
                          differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
     def _check_hyperparams(self, group) -> None:
         _check(group["lr"], group["betas"], group["weight_decay"])

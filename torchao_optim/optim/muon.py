@@ -117,12 +117,16 @@ class Muon8bit(LowBitOptimizer):
                  ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS, adjust_lr_fn=None, *,
                  adamw_betas=(0.9, 0.95), adamw_eps=1e-8, use_muon=None, maximize=False, state_format="dtq8",
                  block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None, capturable=False,
-                 differentiable=False, bf16_stochastic_round=False):
+                 differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         if fused:
             raise ValueError("Muon8bit(fused=True): no fused kernel implements Muon (its cost is the "
                              "orthogonalization's matrix products); pass fused=None or False")
         if capturable:
             raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
+        if offload_state:
+            raise ValueError("Muon8bit(offload_state=True) is not supported: offloaded state is streamed through "
+                             "the fused kernels, and no fused kernel implements Muon")
         check_storage(block_size, min_quant_size)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
@@ -132,10 +136,10 @@ class Muon8bit(LowBitOptimizer):
         self._check_hyperparams(dict(defaults, params=[]))
         super().__init__(params, defaults, compile=compile, fused=False, foreach=foreach, capturable=capturable,
                          differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
-    def _setup(self, compile, fused, foreach=None, capturable=False) -> None:
-        super()._setup(compile, False, foreach, capturable)
+    def _setup(self, compile, fused, foreach=None, capturable=False, offload_state=False) -> None:
+        super()._setup(compile, False, foreach, capturable, offload_state)
         self._adam_update = CompiledOrEager(adam_update, enabled=self._compile)
 
     def _check_hyperparams(self, group) -> None:

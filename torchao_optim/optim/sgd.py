@@ -54,7 +54,8 @@ class SGD8bit(LowBitOptimizer):
 
     def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
                  maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True,
-                 fused=None, foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False):
+                 fused=None, foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False,
+                 offload_state=False):
         _check(lr, momentum, dampening, weight_decay, nesterov)
         check_storage(block_size, min_quant_size)
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
@@ -62,7 +63,7 @@ class SGD8bit(LowBitOptimizer):
                         min_quant_size=min_quant_size)
         super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
                          differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round)
+                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
     def _check_hyperparams(self, group) -> None:
         for key in ("momentum", "dampening", "weight_decay"):

@@ -1,0 +1,208 @@
+"""Optimizer state in host memory, in its low-bit form, streamed through the GPU a chunk at a time.
+
+With ``offload_state=True`` an optimizer of ours keeps the states of its GPU parameters in one page-locked
+host buffer per parameter group (an *arena*), laid out chunk after chunk. The GPU holds two *slots*, each the
+size of the largest chunk. A step walks the chunks: a side stream copies chunk ``i + 2`` into the slot chunk
+``i`` used as soon as chunk ``i``'s state has been copied back, the update of chunk ``i + 1`` runs meanwhile
+on the current stream, and a second side stream copies each updated chunk back, so that both directions of
+the PCIe link and the update overlap. The fused kernels read the slots exactly as they read GPU-resident
+state: a chunk is a :class:`~torchao_optim.optim.fused.GroupPlan` whose state pointers are the slot's.
+
+What crosses the link each step is the state's own bytes, both ways (8-bit Adam: about 2 B per parameter
+each way); parameters and gradients stay on the GPU, where the update reads them. The GPU holds the two slots
+(``2 * max(CHUNK_BYTES, the largest parameter's state)``), not the state.
+
+Host memory is registered with the driver at its exact size (``cudaHostRegister``): torch's pinned-memory
+allocator rounds every block up to a power of two, up to twice the state's bytes. The arena is unregistered
+when it is dropped (a new plan, a loaded checkpoint).
+
+Readers of the host state must wait for the copies back: ``state_dict()``, ``load_state_dict()`` and copies
+of the optimizer do (:meth:`Slots.wait`); code that reads ``optimizer.state`` directly after a step calls
+``torch.cuda.synchronize()`` first. In Triton's interpreter on the CPU (testing) the same plans run with
+CPU slots and synchronous copies.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from torchao_optim.optim.fused import FusedRule, GroupPlan, plan_key
+from torchao_optim.state import QuantizedState
+
+__all__ = ["CHUNK_BYTES", "Slots", "OffloadChunk", "plan_offloaded", "pinned_empty", "state_nbytes"]
+
+CHUNK_BYTES = 64 << 20  # state bytes per chunk (a parameter larger than that is a chunk of its own)
+ALIGN = 64  # every field starts at a multiple of this many bytes, in the arena and in the slots
+
+
+def _fields(state: Tensor) -> Dict[str, Tensor]:
+    """The plain tensors a state is made of: a quantized state's fields, or the state itself."""
+    return state.fields() if isinstance(state, QuantizedState) else {"": state}
+
+
+def _rebuild(state: Tensor, fields: Dict[str, Tensor]) -> Tensor:
+    return state._new(fields) if isinstance(state, QuantizedState) else fields[""]
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def state_nbytes(state: Tensor) -> int:
+    """Bytes ``state`` takes in an arena or a slot (its fields, each aligned)."""
+    return sum(_aligned(t.numel() * t.element_size()) for t in _fields(state).values())
+
+
+def pinned_empty(nbytes: int) -> Tensor:
+    """An uninitialized uint8 CPU tensor of exactly ``nbytes``, page-locked where CUDA is available (unregistered
+    when the tensor is freed)."""
+    t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    if torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        ptr = t.data_ptr()
+        err = cudart.cudaHostRegister(ptr, t.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"offload_state: page-locking {nbytes} bytes of host memory failed (CUDA error "
+                               f"{int(err)}); the host may be short of memory")
+        weakref.finalize(t, cudart.cudaHostUnregister, ptr)
+    return t
+
+
+def _view(buffer: Tensor, offset: int, like: Tensor) -> Tensor:
+    n = like.numel() * like.element_size()
+    return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+
+
+class OffloadChunk:
+    """One launch's parameters: their states' bytes in the arena (``host``) and the slot they run in."""
+
+    def __init__(self, plan: GroupPlan, host: Tensor, slot: int):
+        self.plan, self.host, self.slot = plan, host, slot
+        self.nbytes = host.numel()
+
+
+class Slots:
+    """The two GPU buffers chunks run in, the streams that fill and drain them, and the events that order them."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes, self.device = nbytes, device
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.cuda = device.type == "cuda"
+        self.free: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy back out of each slot
+        if self.cuda:
+            self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def wait(self) -> None:
+        """Block the host until every copy back to the arenas has finished."""
+        for event in self.free:
+            if event is not None:
+                event.synchronize()
+
+    def run(self, chunks: Sequence[OffloadChunk], launch: Callable[[GroupPlan], None]) -> None:
+        """Stream ``chunks`` through the slots: copy in, ``launch(chunk.plan)``, copy back."""
+        if not self.cuda:  # Triton's interpreter on the CPU: the same data movement, synchronous
+            for c in chunks:
+                slot = self.buffers[c.slot][:c.nbytes]
+                slot.copy_(c.host)
+                launch(c.plan)
+                c.host.copy_(slot)
+            return
+        main = torch.cuda.current_stream(self.device)
+        loaded: Dict[int, torch.cuda.Event] = {}
+
+        def load(i: int) -> None:
+            c = chunks[i]
+            with torch.cuda.stream(self.h2d):
+                if self.free[c.slot] is not None:  # the slot's previous chunk is back in host memory
+                    self.h2d.wait_event(self.free[c.slot])
+                self.buffers[c.slot][:c.nbytes].copy_(c.host, non_blocking=True)
+                loaded[i] = self.h2d.record_event()
+
+        for i in range(min(2, len(chunks))):
+            load(i)
+        for i, c in enumerate(chunks):
+            main.wait_event(loaded[i])
+            launch(c.plan)
+            updated = main.record_event()
+            with torch.cuda.stream(self.d2h):
+                self.d2h.wait_event(updated)
+                c.host.copy_(self.buffers[c.slot][:c.nbytes], non_blocking=True)
+                self.free[c.slot] = self.d2h.record_event()
+            if i + 2 < len(chunks):
+                load(i + 2)
+
+
+def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: FusedRule, slots: Slots,
+                   interpreter: bool, rounding, first_slot: int = 0) -> Tuple[List[OffloadChunk], List[int]]:
+    """The chunks that step ``params`` (all planned by :func:`~torchao_optim.optim.fused.plan_key`; their
+    ``rule.state_keys`` states on the meta device where not yet created) from one arena, reused from
+    ``cache`` while the same parameters have gradients under the same rule and the same slots; and the indexes
+    of the parameters no fused kernel covers (then nothing is built: the caller refuses them).
+
+    Building moves every state into a new arena (fresh ones as zeros) and replaces ``states[i][key]`` with a
+    state over the arena; a parameter's ``"step"`` becomes an alias into its chunk's plan."""
+    key = (rule, slots) + tuple(id(p) for p in params)
+    if cache.get("offload_key") == key:
+        return cache["chunks"], []
+    keys = [plan_key(p, s, rule, interpreter) for p, s in zip(params, states)]
+    rest = [i for i, k in enumerate(keys) if k is None]
+    if rest:
+        return [], rest
+    slots.wait()  # the old arena may still be receiving the last step's copies
+    buckets: Dict[tuple, List[int]] = {}
+    for i, k in enumerate(keys):
+        buckets.setdefault(k, []).append(i)
+    # greedy chunks of at most slots.nbytes, parameters in their group's order within each plan key
+    layout: List[Tuple[tuple, List[int], int]] = []  # (plan key, indexes, bytes)
+    for k, idx in buckets.items():
+        current: List[int] = []
+        size = 0
+        for i in idx:
+            n = sum(state_nbytes(states[i][name]) for name in rule.state_keys)
+            if current and size + n > slots.nbytes:
+                layout.append((k, current, size))
+                current, size = [], 0
+            current.append(i)
+            size += n
+        layout.append((k, current, size))
+    arena = pinned_empty(sum(n for _, _, n in layout))
+    chunks, start = [], 0
+    for j, (k, idx, size) in enumerate(layout):
+        slot = (first_slot + j) % 2
+        shadows, offset = [], 0
+        for i in idx:
+            shadow = {"step": states[i]["step"]}
+            for name in rule.state_keys:
+                state = states[i][name]
+                host, device = {}, {}
+                source = _fields(_materialized(state, slots.device))
+                for field, t in source.items():
+                    host[field] = _view(arena, start + offset, t)
+                    host[field].copy_(t)
+                    device[field] = _view(slots.buffers[slot], offset, t)
+                    offset += _aligned(t.numel() * t.element_size())
+                states[i][name] = _rebuild(state, host)
+                shadow[name] = _rebuild(state, device)
+            shadows.append(shadow)
+        chunk_params = [params[i] for i in idx]
+        plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None)
+        for i, shadow in zip(idx, shadows):
+            states[i]["step"] = shadow["step"]  # an alias into the plan's step counts
+        chunks.append(OffloadChunk(plan, arena[start:start + size], slot))
+        start += size
+    cache.clear()
+    cache.update(offload_key=key, chunks=chunks)
+    return chunks, []
+
+
+def _materialized(state: Tensor, device: torch.device) -> Tensor:
+    """``state`` holding data: a state created on the meta device (not yet stepped) as zeros, made on ``device``
+    one at a time (each is copied into the arena, then freed)."""
+    if not state.is_meta:
+        return state
+    if isinstance(state, QuantizedState):
+        return type(state).zeros(state.shape, device=device, dtype=state.dtype, **state.attrs())
+    return torch.zeros(state.shape, dtype=state.dtype, device=device)
