@@ -182,6 +182,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._compile, self._fused_option = bool(compile), fused
         self._foreach, self._capturable, self._offload_state = foreach, capturable, offload_state
         self._slots: Optional[Slots] = None  # offload_state: the GPU window chunks of state run in
+        # stepping in backward with offload_state: which parameter's hook ran after which, last time
+        self._next_in_backward: Dict[int, int] = {}
+        self._last_stepped: Optional[int] = None
         self._update = CompiledOrEager(type(self).update_fn, enabled=self._compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
@@ -351,8 +354,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     # ---- offloaded state ----------------------------------------------------------------------------
     def _wait_offloaded(self) -> None:
+        """Before the host state is read or replaced: wait for the copies back, and forget which chunks the
+        slots hold (the host copy may change under them)."""
         if getattr(self, "_slots", None) is not None:
-            self._slots.wait()
+            self._slots.forget()
 
     def _offload_slots(self, device: torch.device) -> Slots:
         """The GPU window of ``offload_state``: two slots of the largest chunk, sized once for every parameter
@@ -383,6 +388,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._refuse_unplanned(params, states, rest)
         hp = self._hyperparams(group, device)
         slots.run(chunks, lambda plan: plan.launch(hp, **flags))
+        if self._in_backward is not None:  # one parameter at a time: copy in the one backward reached next last time
+            previous, self._last_stepped = self._last_stepped, id(params[0])
+            if previous is not None:
+                self._next_in_backward[previous] = id(params[0])
+            upcoming = self._in_backward.get(self._next_in_backward.get(id(params[0])))
+            if upcoming is not None and "chunks" in upcoming[1]:
+                for chunk in upcoming[1]["chunks"]:
+                    slots.prefetch(chunk)
 
     def _refuse_unplanned(self, params: List[Tensor], states: List[dict], rest) -> None:
         """``offload_state``: a parameter the fused path does not cover is refused by name (its states, not yet

@@ -92,6 +92,9 @@ class Slots:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.cuda = device.type == "cuda"
         self.free: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy back out of each slot
+        # (chunk, event of its copy in) whose state a slot holds: a chunk still there, or prefetched, is not
+        # copied in again (after its copy back, a slot holds the same bytes as the chunk's host memory)
+        self.resident: List[Optional[Tuple[OffloadChunk, Optional[torch.cuda.Event]]]] = [None, None]
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
@@ -100,6 +103,34 @@ class Slots:
         for event in self.free:
             if event is not None:
                 event.synchronize()
+
+    def forget(self) -> None:
+        """The arenas are about to change (a new plan, a loaded checkpoint): no slot holds a chunk any more."""
+        self.wait()
+        self.resident = [None, None]
+
+    def _load(self, c: OffloadChunk) -> torch.cuda.Event:
+        """Copy ``c``'s state into its slot on the copy-in stream, once the slot's last copy back is done."""
+        with torch.cuda.stream(self.h2d):
+            if self.free[c.slot] is not None:
+                self.h2d.wait_event(self.free[c.slot])
+            self.buffers[c.slot][:c.nbytes].copy_(c.host, non_blocking=True)
+            event = self.h2d.record_event()
+        self.resident[c.slot] = (c, event)
+        return event
+
+    def _loaded(self, c: OffloadChunk) -> Optional[torch.cuda.Event]:
+        """The event after which ``c``'s state is in its slot, copying it in unless it is there already (None:
+        it has been there since its last update)."""
+        held = self.resident[c.slot]
+        if held is not None and held[0] is c:
+            return held[1]
+        return self._load(c)
+
+    def prefetch(self, c: OffloadChunk) -> None:
+        """Start copying ``c`` in now (the chunk expected next: stepping in backward, one parameter at a time)."""
+        if self.cuda:
+            self._loaded(c)
 
     def run(self, chunks: Sequence[OffloadChunk], launch: Callable[[GroupPlan], None]) -> None:
         """Stream ``chunks`` through the slots: copy in, ``launch(chunk.plan)``, copy back."""
@@ -111,28 +142,19 @@ class Slots:
                 c.host.copy_(slot)
             return
         main = torch.cuda.current_stream(self.device)
-        loaded: Dict[int, torch.cuda.Event] = {}
-
-        def load(i: int) -> None:
-            c = chunks[i]
-            with torch.cuda.stream(self.h2d):
-                if self.free[c.slot] is not None:  # the slot's previous chunk is back in host memory
-                    self.h2d.wait_event(self.free[c.slot])
-                self.buffers[c.slot][:c.nbytes].copy_(c.host, non_blocking=True)
-                loaded[i] = self.h2d.record_event()
-
-        for i in range(min(2, len(chunks))):
-            load(i)
+        loaded = [self._loaded(c) for c in chunks[:2]]
         for i, c in enumerate(chunks):
-            main.wait_event(loaded[i])
+            # a chunk still in its slot: its last copy back must be done before the update rewrites the slot
+            main.wait_event(loaded[i] if loaded[i] is not None else self.free[c.slot])
             launch(c.plan)
             updated = main.record_event()
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(updated)
                 c.host.copy_(self.buffers[c.slot][:c.nbytes], non_blocking=True)
                 self.free[c.slot] = self.d2h.record_event()
+            self.resident[c.slot] = (c, None)  # its bytes, as its host memory will hold them
             if i + 2 < len(chunks):
-                load(i + 2)
+                loaded.append(self._loaded(chunks[i + 2]))
 
 
 def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: FusedRule, slots: Slots,
@@ -151,7 +173,7 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
     rest = [i for i, k in enumerate(keys) if k is None]
     if rest:
         return [], rest
-    slots.wait()  # the old arena may still be receiving the last step's copies
+    slots.forget()  # the old arena may still be receiving the last step's copies
     buckets: Dict[tuple, List[int]] = {}
     for i, k in enumerate(keys):
         buckets.setdefault(k, []).append(i)
