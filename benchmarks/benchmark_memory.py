@@ -397,14 +397,14 @@ def print_fit_table(rows: List[Dict], cuda: bool) -> None:
             print(f"| {row['name']} | {row['status']}: {row['reason']} |")
             continue
         s, big = row["search"], row["search"]["largest"]
-        per_layer = ", ".join(f"{v['b'] / 1e9:.2f} GB" for v in (s["fit"] or {}).values())
+        per_layer = ", ".join(f"{v['b'] / 1e9:.3g} GB" for v in (s["fit"] or {}).values())
         if big is None:
             print(f"| {row['name']} | predicted {s['predicted_layers']} (not confirmed) | | " + ("| " if cuda else "")
                   + f"| | | {s['bound']} | {per_layer} |")
             continue
         memory = (f"{big['device_bytes'] / 1e9:.1f} | {big['host_bytes'] / 1e9:.1f}" if cuda
                   else f"{big['device_bytes'] / 1e9:.3f}")
-        print(f"| {row['name']} | {big['layers']} | {big['n_params'] / 1e9:.2f} | {memory} | "
+        print(f"| {row['name']} | {big['layers']} | {big['n_params'] / 1e9:.3g} | {memory} | "
               f"{big['iteration_ms']:.1f} | {big['state_bytes'] / 1e9:.2f} | {s['bound']} | {per_layer} |")
 
 
