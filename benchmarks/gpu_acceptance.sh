@@ -2,9 +2,10 @@
 # The recorded GPU run, in one command: the CUDA tests, Nsight Compute on the fused kernel, and the step benchmark
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
-# PARTS picks what runs (default "tests ncu step"); OPTIMS, GEOMETRIES, DTYPES and STEPS are handed to
-# benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt, ncu.txt,
-# step.txt and step_cuda.json/png under $OUT.
+# PARTS picks what runs (default "tests ncu step"; the memory benchmark's parts, each within ten minutes, are
+# "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"); OPTIMS, GEOMETRIES, DTYPES and STEPS are
+# handed to benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt,
+# ncu.txt, step.txt and step_cuda.json/png under $OUT, and memory_*.txt with memory/*/memory_*.json/png.
 set -u
 OUT=${OUT:-results/gpu}
 PARTS=${PARTS:-"tests ncu step"}
@@ -31,4 +32,22 @@ if has step; then
     python benchmarks/benchmark_step.py --steps "${STEPS:-30}" --formats-from test/made_up_formats.py --out "$OUT" \
         ${OPTIMS:+--optims "$OPTIMS"} ${GEOMETRIES:+--geometries "$GEOMETRIES"} ${DTYPES:+--dtypes "$DTYPES"} \
         2>&1 | tee "$OUT/step.txt"
+fi
+# The memory benchmark: every configuration on TinyLlama-1.1B (the offload acceptance), then the largest Llama
+# that fits on the machine, in three runs (state on the GPU; torchao's CPU offload; ours with offload_state).
+if has memory_1b; then
+    python benchmarks/benchmark_memory.py --geometry llama_1b --out "$OUT/memory/llama_1b" 2>&1 \
+        | tee "$OUT/memory_1b.txt"
+fi
+if has memory_fit; then
+    python benchmarks/benchmark_memory.py --configs AdamWTorchFused,AdamWTorchFused-bf16,AdamWBnb8bit,AdamWTorchao8bit,AdamW8bit,AdamW4bit,AdamW8bitSR-bf16,AdamW8bitSR-backward \
+        --out "$OUT/memory/fit" 2>&1 | tee "$OUT/memory_fit.txt"
+fi
+if has memory_fit_offload; then
+    python benchmarks/benchmark_memory.py --configs TorchaoOffload,TorchaoOffload-grads --iters 3 --warmup 1 \
+        --out "$OUT/memory/fit_offload" 2>&1 | tee "$OUT/memory_fit_offload.txt"
+fi
+if has memory_fit_ours_offload; then
+    python benchmarks/benchmark_memory.py --configs AdamW8bitSR-offload,AdamW8bitSR-offload-backward --iters 3 \
+        --warmup 1 --out "$OUT/memory/fit_ours_offload" 2>&1 | tee "$OUT/memory_fit_ours_offload.txt"
 fi
