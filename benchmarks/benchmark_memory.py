@@ -34,7 +34,9 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -478,6 +480,21 @@ def plot(rows: List[Dict], path: str, fixed: bool) -> None:
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
+def run_isolated(name: str, argv: List[str]) -> Dict:
+    """Config ``name`` measured by this script in a fresh process (the same flags); its row of the results."""
+    with tempfile.TemporaryDirectory(prefix="benchmark_memory_") as tmp:
+        # argparse keeps the last occurrence of a flag: these override the parent's
+        cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--configs", name, "--out", tmp, "--no-isolate"]
+        proc = subprocess.run(cmd)
+        found = [f for f in os.listdir(tmp) if f.endswith(".json")]
+        if proc.returncode != 0 or not found:
+            reason = f"the process measuring it exited with status {proc.returncode}"
+            print(f"[fail] {name}: {reason}")
+            return dict(name=name, status="failed", reason=reason)
+        with open(os.path.join(tmp, found[0])) as fh:
+            return json.load(fh)["results"][0]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -500,7 +517,12 @@ def main(argv=None):
     ap.add_argument("--fit-warmup", type=int, default=1)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                     help="our optimizers' compile option (default: on with CUDA, off on a CPU)")
+    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                    help="measure each config in a process of its own (default: on with CUDA): host memory that a "
+                         "peer's pinned-memory cache keeps, and the GPU allocator's fragments, would otherwise count "
+                         "against the configs measured after it")
     ap.add_argument("--out", default="results/memory")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
 
     device = args.device
@@ -538,7 +560,10 @@ def main(argv=None):
           + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in limits.items()) + f" (aiming at {args.margin:.0%})")
 
     rows = []
-    for name in names:
+    isolate = cuda if args.isolate is None else args.isolate
+    for name in names if isolate and len(names) > 1 else []:
+        rows.append(run_isolated(name, argv))
+    for name in [] if isolate and len(names) > 1 else names:
         config = table[name]
         row = dict(name=name, description=config.description, dtype=str(config.dtype).removeprefix("torch."),
                    step_in_backward=config.in_backward)
