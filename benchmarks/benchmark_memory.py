@@ -361,6 +361,9 @@ def search(config: Config, family: Llama, device: str, args, budgets: Dict[str, 
     for _ in range(args.max_retries + 1):
         if layers < 1:
             break
+        if os.environ.get(ATTEMPT_FILE):  # for run_isolated: the size a killed process was trying
+            with open(os.environ[ATTEMPT_FILE], "w") as fh:
+                fh.write(str(layers))
         r = measure(config, family.shapes(layers), device, args.warmup, args.iters, args.compile)
         r["layers"] = layers
         runs.append(r)
@@ -480,19 +483,39 @@ def plot(rows: List[Dict], path: str, fixed: bool) -> None:
 
 
 # ---- main ----------------------------------------------------------------------------------------------------
-def run_isolated(name: str, argv: List[str]) -> Dict:
-    """Config ``name`` measured by this script in a fresh process (the same flags); its row of the results."""
-    with tempfile.TemporaryDirectory(prefix="benchmark_memory_") as tmp:
-        # argparse keeps the last occurrence of a flag: these override the parent's
-        cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--configs", name, "--out", tmp, "--no-isolate"]
-        proc = subprocess.run(cmd)
-        found = [f for f in os.listdir(tmp) if f.endswith(".json")]
-        if proc.returncode != 0 or not found:
-            reason = f"the process measuring it exited with status {proc.returncode}"
-            print(f"[fail] {name}: {reason}")
-            return dict(name=name, status="failed", reason=reason)
-        with open(os.path.join(tmp, found[0])) as fh:
-            return json.load(fh)["results"][0]
+ATTEMPT_FILE = "BENCHMARK_MEMORY_ATTEMPT"  # environment variable: where a child writes the size it is running
+
+
+def run_isolated(name: str, argv: List[str], max_retries: int = 3) -> Dict:
+    """Config ``name`` measured by this script in a fresh process (the same flags); its row of the results.
+    Running out of host memory is not an exception but the kernel killing the process: it is then run again with
+    ``--max-layers`` one below the size it was confirming, up to ``max_retries`` times."""
+    killed: List[int] = []
+    for _ in range(max_retries + 1):
+        with tempfile.TemporaryDirectory(prefix="benchmark_memory_") as tmp:
+            attempt = os.path.join(tmp, "attempt")
+            # argparse keeps the last occurrence of a flag: these override the parent's
+            cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--configs", name, "--out", tmp,
+                                                                         "--no-isolate"]
+            if killed:
+                cmd += ["--max-layers", str(killed[-1] - 1)]
+            proc = subprocess.run(cmd, env=dict(os.environ, **{ATTEMPT_FILE: attempt}))
+            found = [f for f in os.listdir(tmp) if f.endswith(".json")]
+            if proc.returncode == 0 and found:
+                with open(os.path.join(tmp, found[0])) as fh:
+                    row = json.load(fh)["results"][0]
+                if killed:
+                    row["killed_at_layers"] = killed
+                return row
+            if proc.returncode != -9 or not os.path.exists(attempt):
+                break
+            with open(attempt) as fh:
+                killed.append(int(fh.read()))
+            print(f"  {name}: killed at {killed[-1]} layers (out of host memory); again below that", flush=True)
+    reason = f"the process measuring it exited with status {proc.returncode}" + (
+        f" (killed at {killed} layers)" if killed else "")
+    print(f"[fail] {name}: {reason}")
+    return dict(name=name, status="failed", reason=reason)
 
 
 def main(argv=None):
