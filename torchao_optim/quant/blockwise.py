@@ -79,7 +79,8 @@ def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.T
     blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
     inv = 1.0 / torch.where(absmax > 0, absmax, 1.0)  # (n_blocks,)
     y = (blocks * inv[:, None]).reshape(-1)[: x.numel()]
-    return torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0)
+    # y != y is NaN: a vector compare in inductor's C++ backend, where isnan is a scalar loop per vector
+    return torch.where(y != y, 0.0, y).clamp(-1.0, 1.0)
 
 
 def quantize_nearest(y: torch.Tensor, codebook: Sequence[float], never_zero: bool = False) -> torch.Tensor:
@@ -115,6 +116,7 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codebook: Se
     for d in shape:  # symbolic under torch.compile(dynamic=True): a plain product, not torch.Size.numel
         numel = numel * d
     codes = codes if bits == 8 else unpack_nibbles(codes, numel)
-    values = codebook_tensor(codebook, codes)[codes.to(torch.int64)]
+    # int32 indexes: inductor's C++ backend loads a table lane by lane, and int64 indexes double that work
+    values = codebook_tensor(codebook, codes)[codes.to(torch.int32)]
     blocks = as_blocks(values, block_size) * absmax[:, None]  # (n_blocks, block_size)
     return blocks.reshape(-1)[:numel].view(shape).to(dtype)

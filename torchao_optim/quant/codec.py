@@ -17,7 +17,9 @@ For each sign and exponent, a first table gives an offset and a shift; ``offset 
 indexes a second table of candidate codes, one per *bucket* (a range of ``|y|`` sharing the exponent and
 the top ``23 - shift`` mantissa bits). Each exponent gets just enough mantissa bits that no bucket holds
 more than one boundary, so the code is the candidate ``c`` or ``c + 1``, decided by one comparison with
-``B[c]``. Three small table loads and a few integer operations, whatever the codebook.
+``B[c]``; the second table stores, beside each candidate, where in its bucket that comparison switches, so
+that it is made on the low mantissa bits. Two small table loads and a few integer operations, whatever the
+codebook.
 """
 from __future__ import annotations
 
@@ -70,51 +72,64 @@ class BucketTables:
     """The O(1) encoder's tables for one codebook (CPU tensors; :meth:`to` gives device copies).
 
     ``level1``: int32 (256,), index ``128 * (y < 0) + exponent``, entry ``(offset << 5) | shift``;
-    ``level2``: uint8, the candidate code of each bucket; ``bounds``: fp32 (256,), ``B`` padded with +inf.
+    ``level2``: uint8, the candidate code of each bucket; ``bounds``: fp32 (256,), ``B`` padded with +inf;
+    ``level1_bits`` and ``level2_packed``: the same tables in the two-load form :func:`encode` and the fused
+    kernels read (:meth:`level1_by_bits`, :meth:`level2_with_bounds`).
     """
 
     level1: torch.Tensor
     level2: torch.Tensor
     bounds: torch.Tensor
+    level1_bits: torch.Tensor
+    level2_packed: torch.Tensor
 
     def level1_by_bits(self) -> torch.Tensor:
         """``level1`` indexed by the top 9 bits of ``y``'s fp32 pattern (sign and exponent, ``bits >> 23`` as
-        unsigned): int32 (512,). The fused kernel reads this, saving the sign arithmetic of the index; entries
-        for exponents above 127 (``|y| >= 2``, which never occurs) repeat exponent 127's."""
-        out = torch.empty(512, dtype=torch.int32)
-        for negative in (0, 1):
-            by_exponent = self.level1[128 * negative : 128 * negative + 128]
-            out[256 * negative : 256 * negative + 128] = by_exponent
-            out[256 * negative + 128 : 256 * negative + 256] = by_exponent[127]
-        return out
+        unsigned): int32 (512,). Saves the sign arithmetic of the index; entries for exponents above 127
+        (``|y| >= 2``, which never occurs) repeat exponent 127's."""
+        return self.level1_bits
 
     def level2_with_bounds(self) -> torch.Tensor:
         """int32 per bucket: ``(low_plus << 8) | candidate``, where the code is ``candidate + 1`` for ``y >= 0``
         when the low ``shift`` bits of ``|y|`` are ``>= low_plus``, for ``y < 0`` when they are ``< low_plus``
         (``low_plus`` is one more than the low bits of the bucket's boundary, or a value that never switches).
-        The fused kernel reads this: one 4-byte load where :func:`encode` makes two; same data, same codes."""
-        level1 = self.level1.to(torch.int64)
-        out = torch.empty(self.level2.numel(), dtype=torch.int64)
-        for negative in (0, 1):
-            for exponent in range(128):
-                entry = int(level1[128 * negative + exponent])
-                offset, shift = entry >> _SHIFT_BITS, entry & 31
-                n = 1 << (_MANTISSA_BITS - shift)
-                code = self.level2[offset : offset + n].to(torch.int64)
-                base = (exponent << _MANTISSA_BITS) | (torch.arange(n, dtype=torch.int64) << shift)
-                top = base + (1 << shift) - 1
-                bound = self.bounds[code]
-                bmag = bound.abs().view(torch.int32).to(torch.int64)
-                inside = (bmag >= base) & (bmag <= top) & torch.isfinite(bound)
-                if negative:  # y >= b  <=>  |y| <= |b|, for b <= 0 inside the bucket; else never
-                    low_plus = torch.where(inside & (bound <= 0), bmag - base + 1, 0)
-                else:  # y > b  <=>  |y| > |b|, for b >= 0 inside the bucket; else never
-                    low_plus = torch.where(inside & (bound >= 0), bmag - base + 1, 1 << shift)
-                out[offset : offset + n] = (low_plus << 8) | code
-        return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+        One 4-byte load where ``level2`` and ``bounds`` make two; same data, same codes."""
+        return self.level2_packed
 
     def to(self, device) -> "BucketTables":
-        return BucketTables(*(t.to(device) for t in (self.level1, self.level2, self.bounds)))
+        return BucketTables(*(t.to(device) for t in (self.level1, self.level2, self.bounds, self.level1_bits,
+                                                      self.level2_packed)))
+
+
+def _level1_by_bits(level1: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(512, dtype=torch.int32)
+    for negative in (0, 1):
+        by_exponent = level1[128 * negative : 128 * negative + 128]
+        out[256 * negative : 256 * negative + 128] = by_exponent
+        out[256 * negative + 128 : 256 * negative + 256] = by_exponent[127]
+    return out
+
+
+def _level2_with_bounds(level1: torch.Tensor, level2: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    level1 = level1.to(torch.int64)
+    out = torch.empty(level2.numel(), dtype=torch.int64)
+    for negative in (0, 1):
+        for exponent in range(128):
+            entry = int(level1[128 * negative + exponent])
+            offset, shift = entry >> _SHIFT_BITS, entry & 31
+            n = 1 << (_MANTISSA_BITS - shift)
+            code = level2[offset : offset + n].to(torch.int64)
+            base = (exponent << _MANTISSA_BITS) | (torch.arange(n, dtype=torch.int64) << shift)
+            top = base + (1 << shift) - 1
+            bound = bounds[code]
+            bmag = bound.abs().view(torch.int32).to(torch.int64)
+            inside = (bmag >= base) & (bmag <= top) & torch.isfinite(bound)
+            if negative:  # y >= b  <=>  |y| <= |b|, for b <= 0 inside the bucket; else never
+                low_plus = torch.where(inside & (bound <= 0), bmag - base + 1, 0)
+            else:  # y > b  <=>  |y| > |b|, for b >= 0 inside the bucket; else never
+                low_plus = torch.where(inside & (bound >= 0), bmag - base + 1, 1 << shift)
+            out[offset : offset + n] = (low_plus << 8) | code
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
 def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -152,7 +167,9 @@ def _build_tables(values: Tuple[float, ...], never_zero: bool) -> BucketTables:
             offset += 1 << bits
     padded_bounds = torch.full((256,), float("inf"))
     padded_bounds[: len(values) - 1] = bounds
-    return BucketTables(level1.to(torch.int32), torch.cat(level2), padded_bounds)
+    level1, level2 = level1.to(torch.int32), torch.cat(level2)
+    return BucketTables(level1, level2, padded_bounds, _level1_by_bits(level1),
+                        _level2_with_bounds(level1, level2, padded_bounds))
 
 
 _TABLES: Dict[tuple, BucketTables] = {}
@@ -178,11 +195,13 @@ def bucket_tables(values: Tuple[float, ...], never_zero: bool = False, device=No
         if cpu is None:
             raise RuntimeError("bucket_tables: the codebook's tables were not built before tracing; create a "
                                "tensor of the format eagerly first")
+        dtypes = (torch.int32, torch.uint8, torch.float32, torch.int32, torch.int32)
         return BucketTables(*(torch.tensor(values, dtype=dtype, device=device)
-                              for values, dtype in zip(_LISTS[key], (torch.int32, torch.uint8, torch.float32))))
+                              for values, dtype in zip(_LISTS[key], dtypes)))
     if cpu is None:
         cpu = _TABLES[key] = _build_tables(tuple(values), bool(never_zero))
-        _LISTS[key] = tuple(t.tolist() for t in (cpu.level1, cpu.level2, cpu.bounds))
+        _LISTS[key] = tuple(t.tolist() for t in (cpu.level1, cpu.level2, cpu.bounds, cpu.level1_bits,
+                                                 cpu.level2_packed))
     return _on_device(key, device)
 
 
@@ -192,18 +211,22 @@ def _on_device(key: tuple, device: torch.device) -> BucketTables:
 
 
 def encode(y: torch.Tensor, tables: BucketTables) -> torch.Tensor:
-    """The code (uint8) of each ``y`` (fp32 in [-1, 1], no NaN) by the rule of the module docstring, in O(1).
+    """The code (uint8) of each ``y`` (fp32 in [-1, 1], no NaN) by the rule of the module docstring, in O(1):
+    two table loads (:meth:`BucketTables.level1_by_bits`, :meth:`BucketTables.level2_with_bounds`) and
+    integer operations, the fused kernels' encoder written in tensor ops.
 
-    Plain tensor code: eager, and under ``torch.compile`` (the tables become constants of the graph).
+    Plain tensor code: eager, and under ``torch.compile`` (the tables become constants of the graph). Indexes
+    are int32: inductor's C++ backend turns each table load into a scalar loop over the vector's lanes, and
+    int64 indexes double the work of building them.
     """
-    neg = y < 0
-    mag = y.abs().view(torch.int32)
-    entry = tables.level1[(mag >> _MANTISSA_BITS) + neg.to(torch.int32) * 128].to(torch.int32)
-    index = (entry >> _SHIFT_BITS) + ((mag & 0x7FFFFF) >> (entry & 31))
-    code = tables.level2[index].to(torch.int32)
-    bound = tables.bounds[code]
-    up = torch.where(neg, y >= bound, y > bound)
-    return (code + up.to(torch.int32)).to(torch.uint8)
+    bits = torch.where(y == 0, 0.0, y).view(torch.int32)  # -0.0 encodes as 0.0
+    top = (bits >> _MANTISSA_BITS) & 511  # sign and exponent
+    entry = tables.level1_bits[top]
+    shift = entry & 31
+    packed = tables.level2_packed[(entry >> _SHIFT_BITS) + ((bits & 0x7FFFFF) >> shift)]
+    low = bits & ((1 << shift) - 1)
+    up = (low >= ((packed >> 8) & 0xFFFFFF)).to(torch.int32) ^ (top >> 8)
+    return ((packed & 255) + up).to(torch.uint8)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
