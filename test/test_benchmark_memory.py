@@ -88,3 +88,15 @@ def test_confirm_stays_under_the_limit(tmp_path):
     assert largest is not None and largest["layers"] >= 1
     assert largest["device_bytes"] <= limit_gb * 1e9
     assert largest["iteration_ms"] > 0 and len(largest["iteration_ms_all"]) == 1
+
+
+def test_isolated_configs_give_the_same_rows(tmp_path):
+    """``--isolate`` (the default on CUDA) measures each config in a process of its own and collects its row."""
+    configs = "AdamWTorchFused,AdamWTorchFused-bf16"
+    bench.main(FAST + ["--configs", configs, "--fit-layers", "1,5", "--no-confirm", "--isolate",
+                       "--out", str(tmp_path)])
+    rows = {r["name"]: r for r in json.loads((tmp_path / "memory_tiny_cpu.json").read_text())["results"]}
+    assert list(rows) == configs.split(",")
+    assert all(r["status"] == "ok" for r in rows.values())
+    b = {name: r["search"]["fit"]["device"]["b"] for name, r in rows.items()}
+    assert b["AdamWTorchFused"] > b["AdamWTorchFused-bf16"] > 0  # fp32 params, grads and state: twice bf16's
