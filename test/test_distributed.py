@@ -40,6 +40,7 @@ import torch.multiprocessing as mp
 
 from torchao_optim import (
     AdamW, AdamW8bit, DTQ8bitTensor, Lion8bit, QuantizedState, SGD8bit, dequantize_state_dict, get_state_format,
+    step_in_backward,
 )
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.sharded import row_aligned_block_size
@@ -257,6 +258,17 @@ def two_ranks(out):
             opt.step()
             opt.zero_grad()
         result[f"train_{kind}"] = snapshot(model.module if kind == "ddp" else model, opt)
+    # the same FSDP2 training with the step in backward: each sharded parameter steps in its hook, after its
+    # gradient has been reduce-scattered
+    model = sharded(Net())
+    opt = optimizer(model)
+    step_in_backward(model, opt)
+    for step in range(STEPS):
+        x, y = batch(step)
+        rows = rows_of(rank, world, len(x))
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        assert all(p.grad is None for p in model.parameters())
+    result["train_fsdp_in_backward"] = snapshot(model, opt)
     return result
 
 
@@ -413,6 +425,10 @@ class TestTwoRanks(expecttest.TestCase):
         # resharded: saved by 2 ranks, loaded by 1; the same codes, the same next steps, bit for bit
         self.assertSameSnapshot(self.result["loaded_on_1"], self.ref["mid"], "loaded")
         self.assertSameSnapshot(self.result["resumed_on_1"], self.ref["end"], "resumed")
+
+    def test_step_in_backward_under_fsdp(self):
+        # the hooks run on the sharded parameters once their gradients are reduced: bit for bit backward + step()
+        self.assertSameSnapshot(self.result["train_fsdp_in_backward"], self.result["train_fsdp"], "in backward")
 
     def test_fsdp_and_ddp_training_match_single_process(self):
         # Forward and backward on each rank's half of the global batch. The averaged gradients differ from the
