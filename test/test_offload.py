@@ -178,3 +178,19 @@ def test_gpu_holds_two_slots_not_the_state():
     assert grown < slots + (4 << 20), (grown, slots)  # the slots and the plans' small tables
     state_bytes = sum(offload.state_nbytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")
     assert state_bytes > 2 * 64 * 2**20  # 2 bytes a parameter and the scales, all in host memory
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
+def test_dtensor_parameters_are_refused():
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = torch.nn.Linear(16, 32)
+        fully_shard(model)
+        with pytest.raises(ValueError, match="CPUOffloadPolicy"):
+            AdamW8bit(model.parameters(), offload_state=True, **SMALL)
+    finally:
+        dist.destroy_process_group()
