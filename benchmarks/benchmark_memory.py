@@ -172,12 +172,17 @@ def skip_reason(config: Config, device: str) -> Optional[str]:
 
 
 # ---- memory readings -----------------------------------------------------------------------------------------
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as fh:
+def _proc_bytes(path: str, key: str) -> int:
+    """A ``key: <n> kB`` line of a /proc file, in bytes (0 where absent)."""
+    with open(path) as fh:
         for line in fh:
-            if line.startswith(field + ":"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _status_kb(field: str) -> int:
+    return _proc_bytes("/proc/self/status", field)
 
 
 def _reset_peak_rss() -> bool:
@@ -191,11 +196,7 @@ def _reset_peak_rss() -> bool:
 
 
 def _meminfo(key: str) -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _proc_bytes("/proc/meminfo", key)
 
 
 def _host_used() -> int:

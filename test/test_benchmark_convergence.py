@@ -1,24 +1,14 @@
 """The convergence benchmark (benchmarks/benchmark_convergence.py), run for a few steps with a tiny model."""
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmark_scripts import load_benchmark
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_convergence", BENCHMARKS / "benchmark_convergence.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the module executes
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("benchmark_convergence")
 
 OPTIMS = ["AdamW", "AdamW8bit"]
 

@@ -5,7 +5,6 @@ one-line errors, the learning-rate schedule, the data sets, the training loop on
 the results table. The smoke test at the end fine-tunes a tiny timm ViT on synthetic data with each
 optimizer, and is skipped where timm cannot be imported.
 """
-import importlib.util
 import json
 import re
 import subprocess
@@ -18,19 +17,11 @@ from torch import nn
 
 import torchao_optim
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_scripts import BENCHMARKS, load_benchmark
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_finetune_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # classes defined there must be findable (pickling, dataclasses)
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("benchmark_adam_8bit")
-render = _load("render_finetune_table")
+bench = load_benchmark("benchmark_adam_8bit", "_finetune_benchmark_adam_8bit")
+render = load_benchmark("render_finetune_table", "_finetune_render_finetune_table")
 
 
 def _available_optimizers():

@@ -2,26 +2,14 @@
 the JSON holds what the README's table is made of, and the fitted bytes per layer order the configurations the
 way their byte counts say (torch's fp32 AdamW above its bf16 form and above our 4-bit state). Memory, not time:
 nothing here depends on how fast the machine is."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmark_scripts import load_benchmark
 
 
-def _load_benchmark():
-    sys.path.insert(0, str(BENCHMARKS))
-    spec = importlib.util.spec_from_file_location("benchmark_memory", BENCHMARKS / "benchmark_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("benchmark_memory")
 FAST = ["--device", "cpu", "--geometry", "tiny", "--fit-iters", "1", "--fit-warmup", "0", "--iters", "1",
         "--warmup", "0", "--no-compile"]
 

@@ -1,23 +1,11 @@
 """The accuracy parity case (benchmarks/benchmark_parity.py): our 4-bit and FP8 formats must drift less from
 fp32 AdamW than torchao 0.18's formats of the same size did on the same case (its errors are the bars)."""
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+from benchmark_scripts import load_benchmark
 
 
-def _load_benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark_parity", BENCHMARKS / "benchmark_parity.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_benchmark()
+bench = load_benchmark("benchmark_parity")
 
 
 @pytest.mark.parametrize("state_format", ["4bit", "fp8"])
