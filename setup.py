@@ -7,6 +7,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["torchao_optim", "torchao_optim.*"]),
+    # the fused CPU step's source, compiled on first use (torchao_optim/kernels/cpu.py): no build step here
+    package_data={"torchao_optim.kernels": ["cpu_step.c"]},
     python_requires=">=3.10",
     install_requires=["torch>=2.11"],
     extras_require={

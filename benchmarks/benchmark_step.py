@@ -75,12 +75,13 @@ GEOMETRIES: Dict[str, Callable[[], List[Shape]]] = {
 
 # ---- optimizers ------------------------------------------------------------------------------------
 def default_optims(device: str) -> List[str]:
-    """torch's fused and foreach AdamW, AdamW with every registered format (and its compiled path on CUDA), and
-    the peers that are installed (the reason is printed for the others)."""
+    """torch's fused and foreach AdamW, AdamW with every registered format (and its compiled path: every format on
+    CUDA, dtq8's for reference on the CPU, where it is slow), and the peers that are installed (the reason is
+    printed for the others)."""
     names = ["AdamWTorchFused", "AdamWTorchForeach"]
     for fmt in torchao_optim.list_state_formats():
         names.append(f"AdamW-{fmt}")
-        if device == "cuda":
+        if device == "cuda" or fmt == "dtq8":
             names.append(f"AdamWCompiled-{fmt}")
     for peer in ("AdamWBnb8bit", "AdamWTorchao8bit", "AdamWTorchao4bit", "AdamWTorchaoFp8"):
         missing = optimizers.missing_package(peer)

@@ -3,7 +3,9 @@
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; the memory benchmark's parts, each within ten minutes, are
-# "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"); OPTIMS, GEOMETRIES, DTYPES and STEPS are
+# "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "convergence" trains the gpt10m preset with
+# fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
+# finishes is kept; CONVERGENCE_OPTIMS picks the optimizers); OPTIMS, GEOMETRIES, DTYPES and STEPS are
 # handed to benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt,
 # ncu.txt, step.txt and step_cuda.json/png under $OUT, and memory_*.txt with memory/*/memory_*.json/png.
 set -u
@@ -44,10 +46,16 @@ if has memory_fit; then
         --out "$OUT/memory/fit" 2>&1 | tee "$OUT/memory_fit.txt"
 fi
 if has memory_fit_offload; then
-    python benchmarks/benchmark_memory.py --configs TorchaoOffload,TorchaoOffload-grads --iters 3 --warmup 1 \
-        --out "$OUT/memory/fit_offload" 2>&1 | tee "$OUT/memory_fit_offload.txt"
+    python benchmarks/benchmark_memory.py --configs TorchaoOffload,TorchaoOffload-grads --host-gb 118 --fit-iters 1 \
+        --iters 2 --warmup 1 --out "$OUT/memory/fit_offload" 2>&1 | tee "$OUT/memory_fit_offload.txt"
 fi
 if has memory_fit_ours_offload; then
     python benchmarks/benchmark_memory.py --configs AdamW8bitSR-offload,AdamW8bitSR-offload-backward --iters 3 \
         --warmup 1 --out "$OUT/memory/fit_ours_offload" 2>&1 | tee "$OUT/memory_fit_ours_offload.txt"
+fi
+if has convergence; then
+    for optim in ${CONVERGENCE_OPTIMS:-AdamW AdamW-dtq8 AdamW-4bit AdamW-fp8}; do
+        python benchmarks/benchmark_convergence.py --model_size gpt10m --device cuda --optims "$optim" --seeds 0,1 \
+            --out "$OUT/convergence/$optim" 2>&1 | grep -E "^\| " | tee -a "$OUT/convergence.txt"
+    done
 fi

@@ -604,14 +604,14 @@ class TestLearningRateAndGroups(expecttest.TestCase):
         shapes dynamo keeps static by default), compiles nothing new. (Sizes 0 and 1, which dynamo always
         specializes, are left out.)"""
         warm = [torch.nn.Parameter(torch.randn(s)) for s in ((64, 128), (4097,), (64,))]
-        opt = AdamW8bit(warm)
+        opt = AdamW8bit(warm, fused=False)
         for p in warm:
             p.grad = torch.randn_like(p)
         opt.step()
         graphs = graph_count()
         with no_recompiles():
             params = [torch.nn.Parameter(torch.randn(s)) for s in ((3, 5, 300), (5000,), (96,), (4352,))]
-            opt = AdamW8bit(params)
+            opt = AdamW8bit(params, fused=False)
             for _ in range(2):
                 for p in params:
                     p.grad = torch.randn_like(p)
@@ -897,7 +897,7 @@ class TestZCompiledKernels(expecttest.TestCase):
         whole-block graph first.)"""
         torch.manual_seed(0)
         p = torch.nn.Parameter(torch.randn(64, 128))
-        opt = AdamW8bit([p])
+        opt = AdamW8bit([p], fused=False)
         p.grad = torch.randn_like(p)
         before = p.detach().clone()
         _, code = run_and_get_code(opt.step)

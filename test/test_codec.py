@@ -1,12 +1,20 @@
-"""The one encoding rule, three encoders: the O(1) encoder (eager and compiled), the kernels' Triton encoder
-and the binary-search reference agree bit for bit on a sweep of over 10^7 values that includes every
+"""The one encoding rule, four encoders: the O(1) encoder (eager and compiled), the kernels' Triton encoder,
+the fused CPU step's C encoder (both its paths) and the binary-search reference agree bit for bit on a sweep of over 10^7 values that includes every
 decision boundary, the floats either side of each, zeros, the smallest normals and subnormals."""
 import pytest
 import torch
 
 import made_up_formats
+from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.quant import create_dynamic_map, decision_boundaries, quantize_nearest, quantize_nearest_search
+from torchao_optim.state import get_state_format
+
+
+def _layout_codebook(fmt, signed):
+    layout = get_state_format(fmt).zeros((256,), signed=signed).fast_path_layout()
+    return tuple(layout.codebook), layout.never_zero
+
 
 CODEBOOKS = {
     "dtq8 signed": (tuple(create_dynamic_map(True).tolist()), False),
@@ -15,6 +23,8 @@ CODEBOOKS = {
     "made-up quadratic": (made_up_formats._cubic(False), True),
     "4-bit dynamic map": (tuple(create_dynamic_map(True, 3, 4).tolist()), False),
     "4-bit grid": (tuple(torch.linspace(0, 1, 16).tolist()), True),
+    "fp8 signed": _layout_codebook("fp8", True),
+    "fp8 unsigned": _layout_codebook("fp8", False),
 }
 LARGE = {"dtq8 signed", "dtq8 unsigned"}  # 5M random values each; 1M for the others: 10^7 and more in all
 
@@ -65,6 +75,15 @@ def test_kernel_encoder_equals_search(case):
     name, codebook, never_zero, y, ref = case
     device = "cuda" if fused_available("cuda") else "cpu"
     assert torch.equal(quantize_nearest_triton(y.to(device), codebook, never_zero).cpu(), ref), name
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built (no C compiler)")
+@pytest.mark.parametrize("compact", [True, False], ids=["first-table-in-registers", "two-loads"])
+def test_cpu_encoder_equals_search(case, compact):
+    from torchao_optim.kernels.cpu import quantize_nearest_cpu
+
+    name, codebook, never_zero, y, ref = case
+    assert torch.equal(quantize_nearest_cpu(y, codebook, never_zero, compact=compact), ref), name
 
 
 def test_rule_is_nearest_with_ties_toward_zero():

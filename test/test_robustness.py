@@ -311,7 +311,7 @@ class TestConfigurations(expecttest.TestCase):
             warnings.simplefilter("error", RuntimeWarning)
             for dtype, amsgrad, fmt, maximize in configs:
                 p = torch.nn.Parameter(torch.randn(64, 128, dtype=dtype))
-                opt = Adam([p], amsgrad=amsgrad, state_format=fmt, maximize=maximize)
+                opt = Adam([p], amsgrad=amsgrad, state_format=fmt, maximize=maximize, fused=False)
                 graphs = counters["stats"]["unique_graphs"]
                 for _ in range(2):
                     p.grad = torch.randn_like(p)
@@ -324,7 +324,7 @@ class TestConfigurations(expecttest.TestCase):
     def test_fallback_warns_once_and_says_why(self):
         p = torch.nn.Parameter(torch.randn(64, 128))
         eager = torch.nn.Parameter(p.detach().clone())
-        o, e = AdamW8bit([p]), AdamW8bit([eager], compile=False)
+        o, e = AdamW8bit([p], fused=False), AdamW8bit([eager], compile=False, fused=False)
         with mock.patch.object(compiled_module, "BACKEND", _eager_backend_failing), \
                 warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -343,7 +343,7 @@ class TestConfigurations(expecttest.TestCase):
         """If a configuration's own cache fills up after all, the fallback is not silent."""
         # a size-1 dimension is specialized: the second parameter needs a second entry in the same cache
         params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((64, 128), (1, 256))]
-        opt = AdamW8bit(params, min_quant_size=0)
+        opt = AdamW8bit(params, min_quant_size=0, fused=False)
         with mock.patch.object(compiled_module, "BACKEND", "eager"), \
                 torch._dynamo.config.patch(recompile_limit=1), warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -357,7 +357,7 @@ class TestConfigurations(expecttest.TestCase):
     def test_bad_input_does_not_switch_compiling_off(self):
         """A state that fails eagerly too is the input's fault: the error is raised, compiling stays on."""
         p = torch.nn.Parameter(torch.randn(64, 128))
-        opt = AdamW8bit([p])
+        opt = AdamW8bit([p], fused=False)
         p.grad = torch.randn_like(p)
         with mock.patch.object(compiled_module, "BACKEND", "eager"):
             opt.step()
@@ -494,14 +494,16 @@ class TestProperties(expecttest.TestCase):
 
     @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(shape=st.sampled_from([(300,), (17, 31), (4, 3, 100)]), kinds=st.lists(st.sampled_from(VALUE_KINDS),
-           min_size=3, max_size=3), amsgrad=st.booleans(), maximize=st.booleans(), seed=st.integers(0, 2**16))
-    def test_step_is_torch_optims_on_the_same_input(self, shape, kinds, amsgrad, maximize, seed):
+           min_size=3, max_size=3), amsgrad=st.booleans(), maximize=st.booleans(), seed=st.integers(0, 2**16),
+           fused=st.sampled_from([None, False]))
+    def test_step_is_torch_optims_on_the_same_input(self, shape, kinds, amsgrad, maximize, seed, fused):
         """From the same parameter and (dequantized) state, and the same gradient, of any magnitude: our
         update is torch.optim.AdamW's, to fp32 rounding, wherever torch's new state is finite; where it is
         not (a non-finite gradient, or a moment that overflows), our element does not move and stays finite."""
         kw = dict(lr=1e-2, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize)
         p = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
-        opt = AdamW([p], compile=False, min_quant_size=0, block_size=64, **kw)
+        # fused None: the fused CPU step (amsgrad aside); False: the compiled path's function, run eagerly
+        opt = AdamW([p], compile=False, fused=fused, min_quant_size=0, block_size=64, **kw)
         for k, kind in enumerate(kinds):
             g = _values(kind, p.numel(), torch.float32, seed + k).view(shape)
             if k == 1:

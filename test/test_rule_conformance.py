@@ -3,6 +3,7 @@
 executor), nothing listed by hand. Fused classes skip where the fused executor cannot run; without CUDA they run
 in Triton's interpreter (conftest.py)."""
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
+import torch
 
 from torchao_optim import list_state_formats
 from torchao_optim.testing import RULES, RuleConformanceCase
@@ -17,9 +18,19 @@ def _class_name(rule: str, fmt: str, executor: str) -> str:
 # follows torch.optim.AdamW; the bound leaves it 25%.
 SLACK = {("sgd", "fp8"): 1.25}
 
+# As in test_conformance.py: without CUDA, the compiled executor runs for fp32 state and dtq8, and the other formats
+# run the same update eagerly (compiled and eager agree bit for bit: StateFormatTestCase).
+COMPILED_ON_CPU = {"none", "dtq8"}
+
+
+def _executors(spec, fmt: str):
+    compiled = "compiled" if torch.cuda.is_available() or fmt in COMPILED_ON_CPU else "eager"
+    return [e for e in spec.executors if e not in ("compiled", "eager") or e == compiled]
+
+
 for _rule, _spec in RULES.items():
     for _fmt in ["none"] + list_state_formats():
-        for _executor in _spec.executors:
+        for _executor in _executors(_spec, _fmt):
             _name = _class_name(_rule, _fmt, _executor)
             globals()[_name] = type(_name, (RuleConformanceCase,), {
                 "rule": _rule, "format_name": _fmt, "executor": _executor, "__module__": __name__,

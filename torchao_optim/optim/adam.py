@@ -83,11 +83,13 @@ class Adam(LowBitOptimizer):
         min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
         compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
             warning, where compiling is impossible. Default: ``True``.
-        fused (bool, optional): on CUDA, update each parameter group with one multi-tensor Triton launch
-            per device, dtype and pair of state layouts: every format with a ``fast_path_layout()``, and fp32
-            state (not amsgrad); other parameters take the per-parameter compiled path. ``None`` uses it
-            wherever Triton and CUDA are available; ``True`` also runs it on the CPU in Triton's interpreter
-            when ``TRITON_INTERPRET=1`` is set (slow: for testing). Default: ``None``.
+        fused (bool, optional): update each parameter group with one multi-tensor call per device, dtype and
+            pair of state layouts: every format with a ``fast_path_layout()``, and fp32 state (not amsgrad):
+            a Triton launch on CUDA, the fused C step on the CPU (built on first use; without a C compiler
+            CPU parameters take the compiled path, with one warning). Other parameters take the
+            per-parameter compiled path. ``None`` and ``True`` use it wherever it runs; ``True`` with
+            ``TRITON_INTERPRET=1`` set runs the Triton kernels on the CPU in Triton's interpreter instead
+            (slow: for testing); ``False`` turns it off. Default: ``None``.
         decoupled_weight_decay (bool, optional): AdamW's weight decay. Default: ``False``.
         foreach (bool, optional): accepted for torch.optim compatibility; it selects torch.optim's
             implementation, never its numbers, and ours is chosen by ``fused`` and ``compile``. Default: ``None``.

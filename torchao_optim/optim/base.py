@@ -17,6 +17,7 @@ from torch import Tensor
 
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
@@ -170,8 +171,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if defaults["state_format"] != "none":
             get_state_format(defaults["state_format"])  # raises ValueError naming the registered formats
         check_torch_keywords(name, foreach, capturable, differentiable, fused)
-        if fused and not fused_available():
-            raise RuntimeError("fused=True needs Triton and a CUDA device (or, for testing, TRITON_INTERPRET=1)")
+        if fused and not (fused_available() or cpu_kernels_available()):
+            raise RuntimeError("fused=True needs Triton and a CUDA device, or a C compiler for the fused CPU step "
+                               "(see the warning above)")
         check_offload(name, offload_state, fused, capturable)
         self._setup(compile, fused, foreach, capturable, offload_state)
         super().__init__(params, defaults)
@@ -191,8 +193,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
         self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
         self._in_backward: Optional[Dict[int, tuple]] = None  # step_in_backward: id(param) -> (its list, plans)
-        # None: fused wherever a GPU is; True: also in Triton's interpreter on the CPU (for testing)
-        self._fused = fused_available("cuda") if fused is None else bool(fused) and fused_available()
+        # None or True: fused wherever a fused kernel runs (CUDA: Triton's; CPU: kernels.cpu's C); True also
+        # selects Triton's interpreter for CPU parameters when TRITON_INTERPRET=1 is set (testing the Triton kernels)
+        self._fused = fused is not False
         self._interpreter = fused is True
 
     # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------

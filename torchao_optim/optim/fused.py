@@ -12,9 +12,10 @@ addresses are a table of their own, refreshed with one non-blocking copy from pi
 A DTensor parameter (FSDP2) is planned through its local shard: the pointers, sizes and layouts are those of
 the local parameter, gradient and states (whole blocks on every rank, see :mod:`torchao_optim.optim.sharded`).
 
-Parameters no plan covers (amsgrad, a format without a layout, non-contiguous tensors, devices without
-Triton) take the per-parameter compiled path. On the CPU, the kernels run in Triton's interpreter when
-``TRITON_INTERPRET=1`` is set before Triton is imported: slow, and meant for testing.
+On the CPU a plan is the same data, run by one call of the C step (:mod:`torchao_optim.kernels.cpu`); with
+``fused=True`` and ``TRITON_INTERPRET=1`` set before Triton is imported, by the Triton kernels in Triton's
+interpreter instead (slow, and meant for testing). Parameters no plan covers (amsgrad, a format without a
+layout, non-contiguous tensors, devices with neither executor) take the per-parameter compiled path.
 """
 from __future__ import annotations
 
@@ -97,16 +98,25 @@ ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), 7)
 
 def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
-    implements the group's rule; CPU parameters only with ``interpreter``: Triton's interpreter is for testing).
-    A DTensor parameter is planned through its local shard."""
+    implements the group's rule). CPU parameters go to the C kernels of :mod:`torchao_optim.kernels.cpu`, or
+    with ``interpreter`` (and ``TRITON_INTERPRET=1``) to the Triton kernels in Triton's interpreter, for testing
+    them. A DTensor parameter is planned through its local shard."""
     p, grad = local(p), local(p.grad)
-    if p.device.type == "cpu" and not interpreter:
+    if rule is None or not p.is_contiguous() or not grad.is_contiguous():
         return None
-    if rule is None or not fused_available(p.device) or not p.is_contiguous() or not grad.is_contiguous():
-        return None
-    from torchao_optim.kernels.triton_adam import TRITON_DTYPES
+    if p.device.type == "cpu" and not (interpreter and _interpreter()):
+        from torchao_optim.kernels.cpu import CPU_DTYPES, cpu_kernels_available
 
-    if p.dtype not in TRITON_DTYPES or grad.dtype not in TRITON_DTYPES:
+        executor, dtypes = "cpu", CPU_DTYPES
+        if not cpu_kernels_available():
+            return None
+    else:
+        if not fused_available(p.device):
+            return None
+        from torchao_optim.kernels.triton_adam import TRITON_DTYPES
+
+        executor, dtypes = "triton", TRITON_DTYPES
+    if p.dtype not in dtypes or grad.dtype not in dtypes:
         return None
     layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
     if any(x is None for x in layouts):
@@ -114,7 +124,7 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     blocks = {x.block_size for x in layouts if x != "fp32"}
     if len(blocks) > 1:
         return None
-    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype)
+    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
 
 
 def _fields(state, layout) -> Tuple[int, int]:
@@ -151,7 +161,7 @@ class GroupPlan:
 
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
                  rounding: Optional[List[Tuple[int, int]]] = None):
-        self.rule, self.layouts, self.block, device, param_dtype, grad_dtype = key
+        self.rule, self.layouts, self.block, device, param_dtype, grad_dtype, self.executor = key
         if self.rule.name == "adam":
             self.m_layout, self.v_layout = self.layouts
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
@@ -177,15 +187,21 @@ class GroupPlan:
         prog_block = (torch.arange(self.n_programs, dtype=torch.int64) - torch.repeat_interleave(starts, programs))
         self.prog_block = (prog_block * self.iters).to(torch.int32).to(device)  # first block of each program
         self.numels = numels.to(device)
-        # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it.
+        # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
+        # executor advances each state's own counter instead (a few microseconds there), so that a state shared
+        # between processes (torch.multiprocessing, Hogwild) counts every process's steps.
         self.steps = torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states])
-        for i, s in enumerate(states):
-            s["step"] = _alias0d(self.steps, i)
+        self.states = states
+        if self.executor != "cpu":
+            for i, s in enumerate(states):
+                s["step"] = _alias0d(self.steps, i)
         self.coefs = torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device)
         self.tables = sum((_tables(layout, device) for layout in self.layouts), ())
-        from torchao_optim.kernels.triton_adam import TRITON_DTYPES
+        self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
+        if self.executor == "triton":
+            from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
-        self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
+            self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
         # (position in the optimizer, element offset) per parameter: what stochastic rounding hashes
         self.round_info = torch.tensor(rounding or [(i, 0) for i in range(len(params))],
                                        dtype=torch.int64).reshape(-1, 2).to(device)
@@ -213,7 +229,13 @@ class GroupPlan:
                stochastic_round: bool = False, **flags) -> None:
         """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
         ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
-        Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update."""
+        Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update. On the
+        CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`."""
+        if self.executor == "cpu":
+            from torchao_optim.kernels.cpu import launch_cpu
+
+            return launch_cpu(self, hyperparams, decoupled=decoupled, maximize=maximize,
+                              stochastic_round=stochastic_round, **flags)
         if self.rule.name != "adam":
             from torchao_optim.kernels.triton_momentum import launch_momentum
 

@@ -2,14 +2,17 @@
 
 :class:`OptimizerConformanceCase` is :class:`~torchao_optim.testing.StateFormatTestCase`'s twin one level up.
 A subclass names a format (or ``"none"``) and an executor (``"compiled"``: the per-parameter
-``torch.compile`` path, ``fused=False``; ``"fused"``: the multi-tensor Triton path, ``fused=True``) and so
+``torch.compile`` path, ``fused=False``; ``"eager"``: the same update run eagerly, ``compile=False``, what the
+compiled path falls back to; ``"fused"``: the multi-tensor Triton path, ``fused=True``; ``"cpu"``: the fused C
+step of :mod:`torchao_optim.kernels.cpu`, ``fused=None`` on the CPU) and so
 gets every check below: the executor is the one used; parity with ``torch.optim.AdamW``/``Adam`` on the same
 gradients; exact resume from a ``torch.save`` checkpoint; a non-finite gradient element contained to its
 element; an lr that changes every step, used at once and compiling nothing new. A new format is covered by
 that subclass alone, never by editing a list.
 
 Runs are small (under a thousand elements, a few steps): on a machine without CUDA the fused executor runs
-in Triton's interpreter, and is skipped where neither is available.
+in Triton's interpreter, and is skipped where neither is available; the cpu executor is skipped where no C
+compiler is.
 """
 from __future__ import annotations
 
@@ -22,11 +25,15 @@ import torch
 from torch._dynamo.utils import counters
 
 from torchao_optim.optim import Adam, AdamW
+from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import assert_same_tensor, save_load
 
-__all__ = ["OptimizerConformanceCase"]
+__all__ = ["OptimizerConformanceCase", "EXECUTORS"]
+
+EXECUTORS = ("compiled", "eager", "fused", "cpu")
+FUSED_OPTION = {"compiled": False, "eager": False, "fused": True, "cpu": None}  # each executor's fused= argument
 
 NAN, INF = float("nan"), float("inf")
 ROUNDING = 1 + 1e-5  # fp32 rounding of a bound computed from a codebook value times a scale
@@ -44,7 +51,7 @@ def _as_float(state):
 
 
 class OptimizerConformanceCase(expecttest.TestCase):
-    """Set ``format_name`` (a registered format or ``"none"``) and ``executor`` (``"compiled"`` or ``"fused"``).
+    """Set ``format_name`` (a registered format or ``"none"``) and ``executor`` (:data:`EXECUTORS`).
 
     ``parity_tolerance`` is ``(mean, max)`` of ``|p - p_ref|`` over each parameter with quantized state, as a
     fraction of ``sum(lr)`` over the steps (how far an Adam step can move an element, about lr): the
@@ -73,8 +80,11 @@ class OptimizerConformanceCase(expecttest.TestCase):
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls.__test__ = bool(cls.format_name)
-        if cls.executor not in ("compiled", "fused"):
-            raise ValueError(f"{cls.__name__}.executor must be 'compiled' or 'fused', got {cls.executor!r}")
+        if cls.executor not in EXECUTORS:
+            raise ValueError(f"{cls.__name__}.executor must be one of {EXECUTORS}, got {cls.executor!r}")
+        if cls.executor == "cpu":
+            cls.device = "cpu"
+            unittest.skipUnless(cpu_kernels_available(), "the fused CPU step could not be built (no C compiler)")(cls)
         if cls.executor == "fused":
             unittest.skipUnless(fused_available(cls.device), f"the fused executor cannot run on {cls.device}: it "
                                 "needs Triton and a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1) on "
@@ -105,8 +115,8 @@ class OptimizerConformanceCase(expecttest.TestCase):
     def optimizer(self, params, cls=AdamW, **kw):
         kw.setdefault("lr", self.lr)
         kw.setdefault("weight_decay", 0.1)
-        return cls(params, state_format=self.format_name, fused=self.executor == "fused",
-                   min_quant_size=self.min_quant_size, **kw)
+        return cls(params, state_format=self.format_name, fused=FUSED_OPTION[self.executor],
+                   compile=self.executor != "eager", min_quant_size=self.min_quant_size, **kw)
 
     def train(self, opt, params, steps, start=0, sched=None):
         for k in range(start, start + steps):
@@ -135,13 +145,15 @@ class OptimizerConformanceCase(expecttest.TestCase):
         return a, b, oa, ob, before
 
     def assertExecutorUsed(self, opt, params):
-        if self.executor == "fused":
+        if self.executor not in ("compiled", "eager"):
             plans = opt._plans[id(opt.param_groups[0])]
             self.assertEqual([params[i].shape for i in plans["rest"]], [], "left to the compiled path")
             self.assertEqual({id(p) for plan in plans["plans"] for p in plan.params}, {id(p) for p in params})
+            self.assertEqual({plan.executor for plan in plans["plans"]},
+                             {"cpu" if self.executor == "cpu" else "triton"})
         else:
             self.assertEqual(opt._plans, {})
-            self.assertTrue(opt._update.enabled, "the compiled update fell back to eager mode")
+            self.assertEqual(opt._update.enabled, self.executor == "compiled", "compiled or eager as asked")
 
     def assertFollows(self, opt, ours, ref, lr_sum, what=""):
         """``ours`` within ``parity_tolerance`` of ``ref`` (fp32 state: within fp32 rounding)."""

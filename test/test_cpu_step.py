@@ -1,0 +1,190 @@
+"""The fused CPU step (kernels/cpu_step.c): the same update as the compiled path, for every rule it runs.
+
+The conformance cases run it against torch.optim for every format (the "cpu" executor); here it is held to the
+compiled path's own function, run eagerly on the same inputs: the codes and scales it stores are the same bit
+for bit (the encoder is the same rule over the same tables, the arithmetic the same operations in the same
+order), and parameters agree within fp32 rounding (eager torch may round one operation differently: measured one
+ulp, on one element in a few thousand). Then what a user of the CPU relies on: it is the path taken by default,
+threads change nothing, and a machine without a C compiler still trains, on the compiled path, with a warning.
+"""
+import warnings
+
+import made_up_formats  # noqa: F401  (the test-only formats: codebooks written after the kernel)
+import pytest
+import torch
+
+from torchao_optim import Adam, AdamW, Lion8bit, SGD8bit, list_state_formats
+from torchao_optim.kernels import cpu
+from torchao_optim.state import QuantizedState, get_state_format
+
+pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(),
+                                reason="the fused CPU step could not be built (no C compiler)")
+
+# a 2-D tensor with a partial last block, an odd size (4-bit: a lone last nibble), whole blocks, and one below
+# min_quant_size (fp32 state)
+SHAPES = ((300, 257), (1001,), (4096,), (50,))
+ULP = 2.0**-23
+
+
+def _fused_formats():
+    out = ["none"]
+    for fmt in list_state_formats():
+        cls = get_state_format(fmt)
+        if all(cls.zeros((4, 128), signed=s).fast_path_layout() is not None for s in (True, False)):
+            out.append(fmt)
+    return out
+
+
+def _pair(make, dtype, **kw):
+    """Two copies of the same parameters: one stepped by the fused CPU step, one by the compiled path's function
+    run eagerly."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+    fused = [torch.nn.Parameter(t.clone()) for t in init]
+    eager = [torch.nn.Parameter(t.clone()) for t in init]
+    return fused, eager, make(fused, **kw), make(eager, fused=False, compile=False, **kw)
+
+
+def _train(params_a, params_b, opt_a, opt_b, steps=4, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        for a, b in zip(params_a, params_b):
+            g = (torch.randn(a.shape, generator=gen) * 10 ** torch.empty(a.shape).uniform_(-4, 0, generator=gen))
+            if step == 2:  # non-finite gradient elements are skipped alike
+                g.view(-1)[3], g.view(-1)[7], g.view(-1)[-1] = float("nan"), float("inf"), -float("inf")
+            a.grad, b.grad = g.to(dtype), g.to(dtype)
+        opt_a.step()
+        opt_b.step()
+
+
+def _assert_same_step(opt_a, opt_b, params_a, params_b):
+    plans = opt_a._plans[id(opt_a.param_groups[0])]
+    assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"cpu"}
+    for a, b in zip(params_a, params_b):
+        scale = b.detach().float().abs().clamp_min(1.0)
+        assert ((a.float() - b.float()).abs() <= 2 * ULP * scale).all(), "parameters beyond fp32 rounding"
+        assert opt_a.state[a].keys() == opt_b.state[b].keys()
+        for key, sa in opt_a.state[a].items():
+            sb = opt_b.state[b][key]
+            if isinstance(sa, QuantizedState):
+                names, _ = sa.__tensor_flatten__()
+                for name in names:  # codes and scales, bit for bit
+                    assert torch.equal(getattr(sa, name), getattr(sb, name)), (key, name, tuple(a.shape))
+            elif key == "step":
+                assert float(sa) == float(sb)
+            else:  # plain fp32 state: its arithmetic is the update's, within rounding
+                torch.testing.assert_close(sa, sb, rtol=4 * ULP, atol=0)
+
+
+@pytest.mark.parametrize("fmt", _fused_formats())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_adamw_equals_compiled_path(fmt, dtype):
+    a, b, oa, ob = _pair(AdamW, dtype, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quant_size=256)
+    _train(a, b, oa, ob, dtype=dtype)
+    _assert_same_step(oa, ob, a, b)
+
+
+@pytest.mark.parametrize("fmt", ["dtq8", "4bit"])
+def test_adam_l2_maximize_equals_compiled_path(fmt):
+    a, b, oa, ob = _pair(Adam, torch.float32, lr=1e-2, weight_decay=0.1, maximize=True, state_format=fmt,
+                         min_quant_size=256)
+    _train(a, b, oa, ob)
+    _assert_same_step(oa, ob, a, b)
+
+
+@pytest.mark.parametrize("fmt", ["dtq8", "fp8", "none"])
+@pytest.mark.parametrize("make", [
+    lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
+    lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, nesterov=True, maximize=True, **kw),
+    lambda ps, **kw: Lion8bit(ps, lr=1e-3, weight_decay=0.1, **kw),
+], ids=["sgd", "sgd-nesterov-maximize", "lion"])
+def test_one_state_rules_equal_compiled_path(fmt, make):
+    a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
+    _train(a, b, oa, ob)
+    _assert_same_step(oa, ob, a, b)
+
+
+def test_bf16_stochastic_rounding_draws_the_compiled_paths_bits():
+    """Same hash, same key, same element offsets: the rounded bf16 parameters are those of the compiled path,
+    except where the fp32 value before rounding differs by its last ulp (then at most one bf16 ulp apart)."""
+    a, b, oa, ob = _pair(AdamW, torch.bfloat16, lr=1e-3, bf16_stochastic_round=True, min_quant_size=256)
+    _train(a, b, oa, ob, steps=3, dtype=torch.bfloat16)
+    for x, y in zip(a, b):
+        differ = (x != y).float().mean().item()
+        assert differ < 1e-3, f"{differ:.2%} of elements rounded differently"
+        ulp = y.float().abs() * 2.0**-7
+        assert ((x.float() - y.float()).abs() <= ulp).all()
+    # and rounding is stochastic, not to nearest: a plain bf16 run differs
+    c, _, oc, _ = _pair(AdamW, torch.bfloat16, lr=1e-3, min_quant_size=256)
+    d, _, od, _ = _pair(AdamW, torch.bfloat16, lr=1e-3, min_quant_size=256)
+    _train(c, d, oc, od, steps=3, dtype=torch.bfloat16)
+    assert any(not torch.equal(x, z) for x, z in zip(a, c))
+
+
+def test_threads_change_nothing():
+    """Blocks are independent: one thread and two store the same bytes."""
+    before = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            gen = torch.Generator().manual_seed(0)
+            p = torch.nn.Parameter(torch.randn(1 << 18, generator=gen))  # 1024 blocks: enough for two threads
+            opt = AdamW([p], lr=1e-2)
+            for _ in range(2):
+                p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            results.append((p.detach().clone(), opt.state[p]["exp_avg"].codes.clone(),
+                            opt.state[p]["exp_avg_sq"].absmax.clone()))
+    finally:
+        torch.set_num_threads(before)
+    for x, y in zip(*results):
+        assert torch.equal(x, y)
+
+
+def test_is_the_default_on_cpu_and_needs_no_compile():
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(10))]  # 8-bit and fp32 state
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    opt = AdamW(params, lr=1e-3)
+
+    def compiled_path(*args, **kwargs):
+        raise AssertionError("the compiled path ran")
+
+    opt._update = compiled_path
+    opt.step()
+    assert {plan.executor for plan in opt._plans[id(opt.param_groups[0])]["plans"]} == {"cpu"}
+
+
+def test_without_a_compiler_the_compiled_path_trains(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "_compiler", lambda: None)
+    cpu.cpu_kernels.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="no C compiler found"):
+            assert not cpu.cpu_kernels_available()
+        p = torch.nn.Parameter(torch.randn(64, 64))
+        p.grad = torch.randn(64, 64)
+        opt = AdamW([p], lr=1e-3, compile=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once, above; not again per step
+            opt.step()
+        assert opt._plans[id(opt.param_groups[0])]["plans"] == []
+        assert float(opt.state[p]["step"]) == 1.0
+    finally:
+        cpu.cpu_kernels.cache_clear()
+
+
+def test_built_once_into_the_cache_directory(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
+    cpu.cpu_kernels.cache_clear()
+    try:
+        assert cpu.cpu_kernels_available()
+        built = list(tmp_path.glob("cpu_step_*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        cpu.cpu_kernels.cache_clear()
+        assert cpu.cpu_kernels_available()
+        assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_step_*.so")] == [stamp]  # reused, not rebuilt
+    finally:
+        cpu.cpu_kernels.cache_clear()

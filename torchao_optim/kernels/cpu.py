@@ -1,0 +1,170 @@
+"""The fused step on the CPU: ``cpu_step.c``, built on first use and called through ``ctypes``.
+
+The C file is the CPU's twin of the Triton kernels: it reads a :class:`~torchao_optim.optim.fused.GroupPlan`'s
+pointer table, coefficient rows and encoder tables, and knows no format. It is compiled once per machine with
+the C compiler ``torch.compile`` itself needs on the CPU (``$CC``, else ``cc``, ``gcc`` or ``clang``), for the
+machine it runs on (``-march=native``), and cached under ``$TORCHAO_OPTIM_CACHE_DIR`` (default
+``~/.cache/torchao_optim``), keyed by the source, the compiler and the CPU, so a cluster sharing a home
+directory builds once per kind of CPU. A first build takes about a second; nothing is built at install.
+
+Where no compiler works, :func:`cpu_kernels` returns None (with one warning saying why) and the optimizers use
+the compiled path, as they do for everything this file does not cover.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+__all__ = ["cpu_kernels", "cpu_kernels_available", "launch_cpu", "quantize_nearest_cpu", "CPU_DTYPES"]
+
+SOURCE = Path(__file__).with_name("cpu_step.c")
+# -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
+# -fno-math-errno: sqrtf may become a vector instruction; -fno-trapping-math: the update's selects may become
+# vector blends where there are no mask registers (AVX2). Neither changes a result, only errno and FP flags.
+FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno",
+         "-fno-trapping-math"]
+NATIVE = ["-march=native"]
+# GCC's tuning for recent x86 CPUs turns vector gathers off and loads table entries one lane at a time; the
+# decode and the encoder are table loads, and measured 1.7x faster with gathers (GCC only: tried first).
+GATHER = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
+CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+RULES = {"adam": 0, "sgd": 1, "lion": 2}
+KINDS = {"fp32": 0, 4: 4, 8: 8}
+MIN_BLOCKS_PER_THREAD = 64  # a thread is worth starting for at least this many blocks (16K elements at 256)
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_signature() -> str:
+    """What the built file depends on besides its source and compiler: the instruction set it was built for."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TORCHAO_OPTIM_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchao_optim"
+
+
+def _build(compiler: str) -> Path:
+    """The shared library for this machine, compiled if the cache does not hold it yet."""
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    errors = []
+    for extra in (NATIVE + GATHER, NATIVE, []):  # the first set the compiler takes
+        digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(),
+                                            _cpu_signature().encode()])).hexdigest()[:16]
+        target = _cache_dir() / f"cpu_step_{digest}.so"
+        if target.exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # built under a temporary name and renamed: processes building at once never load a partial file
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                             text=True)
+        if run.returncode == 0:
+            os.replace(tmp, target)
+            return target
+        os.unlink(tmp)
+        errors.append(run.stderr.strip()[-500:])
+    raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels() -> Optional[ctypes.CDLL]:
+    """The loaded library, built on first call; None (after one warning) where it cannot be built."""
+    compiler = _compiler()
+    try:
+        if compiler is None:
+            raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        warnings.warn(f"torchao_optim: the fused CPU step could not be built ({err}); CPU parameters take the "
+                      f"compiled path (torch.compile), which is correct but slower", RuntimeWarning, stacklevel=2)
+        return None
+    fn = lib.torchao_optim_cpu_step
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * 2 + [i32] * 11 + [i64]
+    fn.restype = i32
+    lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
+    lib.torchao_optim_cpu_encode.restype = None
+    return lib
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the fused CPU step can run here (builds it on the first call)."""
+    return cpu_kernels() is not None
+
+
+def launch_cpu(plan, hyperparams: torch.Tensor, decoupled: bool = False, maximize: bool = False,
+               nesterov: bool = False, stochastic_round: bool = False) -> None:
+    """One step of every parameter of ``plan`` (a CPU :class:`~torchao_optim.optim.fused.GroupPlan`):
+    the step counts advance, the coefficients are computed by the rule's coefficient function (as the compiled
+    path computes them), then one call updates every tensor."""
+    from torchao_optim.optim.update import adam_coefficients, lion_coefficients, sgd_coefficients
+
+    plan.refresh_grads()
+    steps = [s["step"] for s in plan.states]  # each state's own counter (GroupPlan says why)
+    torch._foreach_add_(steps, 1)
+    plan.steps = torch.stack(steps).to(torch.float32)
+    rule = plan.rule.name
+    if rule == "adam":
+        coefs = adam_coefficients(plan.steps, hyperparams, decoupled)
+    else:
+        coefs = (sgd_coefficients if rule == "sgd" else lion_coefficients)(plan.steps, hyperparams)
+    plan.coefs.copy_(coefs)
+    tables = [(t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]) for k in range(len(plan.layouts))]
+    kinds = [KINDS[layout if layout == "fp32" else layout.bits] for layout in plan.layouts]
+    if len(plan.layouts) == 1:
+        tables.append(iter((None, None, None)))
+        kinds.append(0)
+    args = []
+    for t, kind in zip(tables, kinds):
+        args += [*t, kind]
+    status = cpu_kernels().torchao_optim_cpu_step(
+        len(plan.params), plan.ptrs.data_ptr(), plan.grad_ptrs.data_ptr(), plan.numels.data_ptr(),
+        plan.coefs.data_ptr(), plan.steps.data_ptr(), plan.round_info.data_ptr(), *args,
+        len(plan.layouts), plan.rule.n_coefs, plan.block, RULES[rule], CPU_DTYPES[plan.torch_param_dtype],
+        CPU_DTYPES[plan.torch_grad_dtype], decoupled, maximize, nesterov, plan.rounds(stochastic_round),
+        torch.get_num_threads(), MIN_BLOCKS_PER_THREAD * 256 // plan.block)
+    if status != 0:
+        raise RuntimeError(f"the fused CPU step failed (status {status}) for block size {plan.block}")
+
+
+def quantize_nearest_cpu(y: torch.Tensor, codebook, never_zero: bool = False, compact: bool = True) -> torch.Tensor:
+    """``torchao_optim.quant.quantize_nearest`` through this file's encoder (for tests): uint8 codes of ``y``
+    (fp32 in [-1, 1], on the CPU). ``compact=False`` takes the path of two table loads even where the codebook
+    allows the first table in registers (``cpu_step.c``, ``make_encoder``)."""
+    from torchao_optim.quant import bucket_tables
+
+    tables = bucket_tables(tuple(codebook), never_zero)
+    level1, level2 = tables.level1_by_bits(), tables.level2_with_bounds()
+    y = y.detach().to(torch.float32).contiguous()
+    out = torch.empty(y.shape, dtype=torch.uint8)
+    cpu_kernels().torchao_optim_cpu_encode(y.data_ptr(), out.data_ptr(), y.numel(), level1.data_ptr(),
+                                           level2.data_ptr(), int(compact))
+    return out

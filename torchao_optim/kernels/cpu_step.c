@@ -1,0 +1,428 @@
+/* The fused step on the CPU: one call updates every tensor of a plan, on a few threads.
+ *
+ * The CPU twin of the Triton kernels (triton_adam.py, triton_momentum.py): the same pointer table (one row per
+ * tensor: the parameter, then the codes or fp32 values and the scales of each state), the same coefficient
+ * rows, the same codebook and O(1) encoder tables (quant/codec.py), so it stores the codes the compiled path
+ * stores for the same values. It knows no format: a state is plain fp32 (kind 0) or codes of 8 or 4 bits
+ * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each.
+ *
+ * Each quantization block is worked in four passes over small buffers that stay in L1: convert the parameter
+ * and the gradient to fp32 and decode the states; the update rule; store the parameter; take each state's
+ * absmax and encode it. Every pass is a plain loop the compiler vectorizes (the decode and the encoder's table
+ * loads become gathers). The arithmetic is optim/update.py's, operation for operation, and the build turns off
+ * floating-point contraction, so no multiply-add rounds differently from the compiled path.
+ *
+ * Built on first use with the C compiler torch.compile needs on the CPU anyway (kernels/cpu.py); no build
+ * step at install.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_BLOCK 4096
+/* each loop in a function of its own: inlined, its restrict-qualified pointers would stop meaning anything */
+#define NOINLINE __attribute__((noinline))
+
+enum { PLAIN = 0, CODES4 = 4, CODES8 = 8 };
+enum { F32 = 0, BF16 = 1, F16 = 2 };
+enum { ADAM = 0, SGD = 1, LION = 2 };
+
+
+static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
+static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
+static inline int is_finite(float x) { return fabsf(x) < INFINITY; } /* NaN is not < inf */
+
+static inline uint32_t mix32(uint32_t x) { /* optim/rounding.py's hash, in uint32 */
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x5BD1E995u;
+    return x ^ (x >> 16);
+}
+
+/* ---- the parameter and the gradient, to and from fp32 ------------------------------------------------ */
+NOINLINE static void load_floats(float *restrict dst, const void *base, int64_t start, int n, int dtype, int negate) {
+    float sign = negate ? -1.0f : 1.0f; /* x * -1 is -x exactly, NaN included */
+    if (dtype == F32) {
+        const float *restrict s = (const float *)base + start;
+        for (int i = 0; i < n; i++) dst[i] = s[i] * sign;
+    } else if (dtype == BF16) {
+        const uint16_t *restrict s = (const uint16_t *)base + start;
+        for (int i = 0; i < n; i++) dst[i] = float_of((uint32_t)s[i] << 16) * sign;
+    } else {
+        const _Float16 *restrict s = (const _Float16 *)base + start;
+        for (int i = 0; i < n; i++) dst[i] = (float)s[i] * sign;
+    }
+}
+
+NOINLINE static void store_param(const float *restrict p, void *base, int64_t start, int n, int dtype, int sr,
+                        uint32_t key, int64_t offset) {
+    if (dtype == F32) {
+        float *restrict d = (float *)base + start;
+        for (int i = 0; i < n; i++) d[i] = p[i];
+    } else if (dtype == BF16 && sr) {
+        /* optim/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
+        uint16_t *restrict d = (uint16_t *)base + start;
+        uint32_t first = (uint32_t)(offset + start);
+        for (int i = 0; i < n; i++) {
+            uint32_t noise = mix32(key ^ (first + (uint32_t)i)) >> 16;
+            d[i] = (uint16_t)((bits_of(p[i]) + noise) >> 16);
+        }
+    } else if (dtype == BF16) { /* round to nearest even, as torch converts (NaN: torch's 0x7FC0) */
+        uint16_t *restrict d = (uint16_t *)base + start;
+        for (int i = 0; i < n; i++) {
+            uint32_t b = bits_of(p[i]);
+            uint32_t rounded = (b + 0x7FFFu + ((b >> 16) & 1u)) >> 16;
+            d[i] = (uint16_t)(p[i] != p[i] ? 0x7FC0u : rounded);
+        }
+    } else {
+        _Float16 *restrict d = (_Float16 *)base + start;
+        for (int i = 0; i < n; i++) d[i] = (_Float16)p[i];
+    }
+}
+
+/* ---- a state: decode one block, encode it back ------------------------------------------------------- */
+NOINLINE static void decode8(float *restrict dst, const uint8_t *restrict c, int n, float scale,
+                    const float *restrict table) {
+    for (int i = 0; i < n; i++) dst[i] = table[c[i]] * scale;
+}
+
+NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int n, float scale,
+                    const float *restrict table) {
+    int half = n / 2;
+    for (int j = 0; j < half; j++) {
+        dst[2 * j] = table[c[j] & 15] * scale;
+        dst[2 * j + 1] = table[c[j] >> 4] * scale;
+    }
+    if (n & 1) dst[n - 1] = table[c[half] & 15] * scale;
+}
+
+static void decode(float *restrict dst, int64_t codes, int64_t scales, int64_t start, int64_t blk, int n, int kind,
+                   const float *restrict table) {
+    if (kind == PLAIN) memcpy(dst, (const float *)codes + start, (size_t)n * 4);
+    else if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, ((const float *)scales)[blk], table);
+    else decode4(dst, (const uint8_t *)codes + start / 2, n, ((const float *)scales)[blk], table);
+}
+
+/* codec.encode: the code of y (fp32 in [-1, 1], no NaN) from two table loads and integer operations */
+static inline int32_t encode(float y, const int32_t *restrict level1, const int32_t *restrict level2) {
+    /* signed 32-bit indexes throughout: the table loads vectorize to gathers only with those */
+    int32_t b = (int32_t)bits_of(y + 0.0f); /* -0.0 + 0.0 is +0.0: -0.0 encodes as 0.0 */
+    int32_t top = (b >> 23) & 511;          /* sign and exponent */
+    int32_t entry = level1[top];
+    int32_t shift = entry & 31;
+    int32_t packed = level2[(entry >> 5) + ((b & 0x7FFFFF) >> shift)];
+    int32_t low = b & ((1 << shift) - 1);
+    int32_t up = (low >= ((packed >> 8) & 0xFFFFFF)) ^ (top >> 8);
+    return (packed & 255) + up;
+}
+
+/* An encoder: codec.BucketTables' two tables, and where the codebook allows, the first table in a form
+   that needs no memory load. Exponents 1..96 (magnitudes below 2**-31) of most codebooks are one bucket each,
+   all with the same code and no decision boundary: then every exponent is clamped to [96, 127] and its entry
+   found among 32 values held in two vector registers per sign (exponent 0, zero and subnormals, may differ:
+   never_zero puts a boundary there; it is looked up apart). */
+typedef struct {
+    const int32_t *level1, *level2;
+    int compact;
+    int32_t by_exponent[2][32]; /* level1 for exponents 96..127, per sign */
+    int32_t zero[2];            /* level1 for exponent 0, per sign */
+} Encoder;
+
+static void make_encoder(Encoder *E, const int32_t *level1, const int32_t *level2) {
+    E->level1 = level1;
+    E->level2 = level2;
+    E->compact = 0;
+    if (!level1) return;
+    for (int s = 0; s < 2; s++) {
+        const int32_t *l1 = level1 + 256 * s;
+        if ((l1[96] & 31) != 23) return;
+        for (int e = 1; e < 96; e++)
+            if ((l1[e] & 31) != 23 || level2[l1[e] >> 5] != level2[l1[96] >> 5]) return;
+        for (int k = 0; k < 32; k++) E->by_exponent[s][k] = l1[96 + k];
+        E->zero[s] = l1[0];
+    }
+    E->compact = 1;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VECTOR_ENCODER 1
+/* encode() on 16 values, with the first table from registers: the same arithmetic, one gather instead of two */
+static inline __m512i encode16(__m512 y, const Encoder *E, __m512i pos0, __m512i pos1, __m512i neg0, __m512i neg1,
+                               __m512i zero_pos, __m512i zero_neg) {
+    const __m512i ones = _mm512_set1_epi32(1);
+    __m512i b = _mm512_castps_si512(_mm512_add_ps(y, _mm512_setzero_ps())); /* -0.0 encodes as 0.0 */
+    __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(255));
+    __m512i k = _mm512_min_epi32(_mm512_sub_epi32(_mm512_max_epi32(e, _mm512_set1_epi32(96)), _mm512_set1_epi32(96)),
+                                 _mm512_set1_epi32(31));
+    __mmask16 negative = _mm512_cmplt_epi32_mask(b, _mm512_setzero_si512());
+    __m512i entry = _mm512_mask_blend_epi32(negative, _mm512_permutex2var_epi32(pos0, k, pos1),
+                                            _mm512_permutex2var_epi32(neg0, k, neg1));
+    entry = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), entry,
+                                    _mm512_mask_blend_epi32(negative, zero_pos, zero_neg));
+    __m512i shift = _mm512_and_si512(entry, _mm512_set1_epi32(31));
+    __m512i bucket = _mm512_add_epi32(_mm512_srai_epi32(entry, 5),
+                                      _mm512_srlv_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFF)), shift));
+    __m512i packed = _mm512_i32gather_epi32(bucket, E->level2, 4);
+    __m512i low = _mm512_and_si512(b, _mm512_sub_epi32(_mm512_sllv_epi32(ones, shift), ones));
+    __mmask16 up = _mm512_cmpge_epi32_mask(low, _mm512_and_si512(_mm512_srli_epi32(packed, 8),
+                                                                  _mm512_set1_epi32(0xFFFFFF))) ^ negative;
+    __m512i code = _mm512_and_si512(packed, _mm512_set1_epi32(255));
+    return _mm512_mask_add_epi32(code, up, code, ones);
+}
+
+#define ENCODER_REGISTERS(E)                                                                                    \
+    __m512i pos0 = _mm512_loadu_si512(E->by_exponent[0]), pos1 = _mm512_loadu_si512(E->by_exponent[0] + 16);   \
+    __m512i neg0 = _mm512_loadu_si512(E->by_exponent[1]), neg1 = _mm512_loadu_si512(E->by_exponent[1] + 16);   \
+    __m512i zero_pos = _mm512_set1_epi32(E->zero[0]), zero_neg = _mm512_set1_epi32(E->zero[1])
+#define ENCODE16(y) encode16(y, E, pos0, pos1, neg0, neg1, zero_pos, zero_neg)
+#endif
+
+/* The loops over codes are functions of their own: restrict-qualified parameters tell the compiler that
+   the byte stores alias none of the inputs, which it needs to vectorize them (as gathers). */
+NOINLINE static void encode8_tables(const float *restrict x, uint8_t *restrict c, int n, float inv,
+                                    const int32_t *restrict level1, const int32_t *restrict level2) {
+    for (int i = 0; i < n; i++) c[i] = (uint8_t)encode(x[i] * inv, level1, level2);
+}
+
+NOINLINE static void encode4_tables(const float *restrict x, uint8_t *restrict c, int n, float inv,
+                                    const int32_t *restrict level1, const int32_t *restrict level2) {
+    int half = n / 2;
+    for (int j = 0; j < half; j++)
+        c[j] = (uint8_t)(encode(x[2 * j] * inv, level1, level2) | (encode(x[2 * j + 1] * inv, level1, level2) << 4));
+    if (n & 1) c[half] = (uint8_t)encode(x[n - 1] * inv, level1, level2); /* the high nibble past the end: 0 */
+}
+
+/* With the first table in registers where the codebook allows it (AVX-512), then the table loop for the rest */
+NOINLINE static void encode8(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
+    int i = 0;
+#ifdef VECTOR_ENCODER
+    if (E->compact) {
+        ENCODER_REGISTERS(E);
+        __m512 scale = _mm512_set1_ps(inv);
+        for (; i + 16 <= n; i += 16)
+            _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale))));
+    }
+#endif
+    encode8_tables(x + i, c + i, n - i, inv, E->level1, E->level2);
+}
+
+NOINLINE static void encode4(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
+    int half = n / 2, j = 0;
+#ifdef VECTOR_ENCODER
+    if (E->compact) {
+        ENCODER_REGISTERS(E);
+        __m512 scale = _mm512_set1_ps(inv);
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+        for (; j + 16 <= half; j += 16) { /* 32 elements, 16 bytes */
+            __m512i a = ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale));
+            __m512i b = ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale));
+            __m512i lo = _mm512_permutex2var_epi32(a, even, b), hi = _mm512_permutex2var_epi32(a, odd, b);
+            _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
+        }
+    }
+#endif
+    encode4_tables(x + 2 * j, c + j, n - 2 * j, inv, E->level1, E->level2);
+}
+
+static void encode_store(const float *restrict x, int64_t codes, int64_t scales, int64_t start, int64_t blk, int n,
+                         int kind, const Encoder *E) {
+    if (kind == PLAIN) {
+        memcpy((float *)codes + start, x, (size_t)n * 4);
+        return;
+    }
+    /* the block's absmax: x is finite (the rules skip what would not be), so the largest magnitude is the
+       largest pattern with the sign bit cleared, an integer maximum */
+    uint32_t top = 0;
+    for (int i = 0; i < n; i++) {
+        uint32_t m = bits_of(x[i]) & 0x7FFFFFFFu;
+        top = m > top ? m : top;
+    }
+    float absmax = float_of(top);
+    float inv = 1.0f / (absmax > 0.0f ? absmax : 1.0f);
+    if (kind == CODES8) encode8(x, (uint8_t *)codes + start, n, inv, E);
+    else encode4(x, (uint8_t *)codes + start / 2, n, inv, E);
+    ((float *)scales)[blk] = absmax;
+}
+
+/* ---- the update rules: optim/update.py's arithmetic, in the same order -------------------------------- */
+NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
+                 const float *c, int decoupled) {
+    const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float p_decayed = pi;
+        if (decoupled) p_decayed = pi * wd;
+        else g = g + wd * pi;
+        float m_new = m[i] + omb1 * (g - m[i]);
+        float v_new = v[i] * beta2 + omb2 * g * g;
+        int ok = fin & is_finite(m_new) & is_finite(v_new);
+        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) * inv_bc2 + eps;
+        float p_new = p_decayed - step_size * (mi / denom);
+        p[i] = ok ? p_new : pi;
+    }
+}
+
+/* nesterov is a constant in each call (sgd below): a branch on it inside the loop would stop the vectorizer */
+static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, const float *restrict g_in,
+                                                          float *restrict s, int n, const float *c, int nesterov) {
+    const float lr = c[0], wd = c[1], momentum = c[2], grad_coef = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] * momentum + grad_coef * g;
+        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        float si = ok ? s_new : s[i];
+        s[i] = si;
+        float d = nesterov ? g + momentum * si : si;
+        p[i] = ok ? pi - lr * d : pi;
+    }
+}
+
+NOINLINE static void sgd(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+                         int nesterov) {
+    if (nesterov) sgd_loop(p, g_in, s, n, c, 1);
+    else sgd_loop(p, g_in, s, n, c, 0);
+}
+
+NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
+    const float lr = c[0], wd_factor = c[1], omb1 = c[2], omb2 = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float interp = s[i] + omb1 * (g - s[i]);
+        float s_new = s[i] + omb2 * (g - s[i]);
+        int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects, where & would branch */
+        s[i] = ok ? s_new : s[i];
+        float sign = interp > 0.0f ? 1.0f : 0.0f;
+        sign = interp < 0.0f ? -1.0f : sign;
+        p[i] = ok ? pi * wd_factor - lr * sign : pi;
+    }
+}
+
+typedef struct {
+    int64_t n_tensors;
+    const int64_t *ptrs;       /* (n, 1 + 2 * n_states): param, then (codes or values, scales) per state */
+    const int64_t *grad_ptrs;  /* (n,) */
+    const int64_t *numels;     /* (n,) */
+    const float *coefs;        /* (n, n_coefs) */
+    const float *steps;        /* (n,): advanced step counts (stochastic rounding's key) */
+    const int64_t *round_info; /* (n, 2): position in the optimizer, element offset */
+    const float *values[2];    /* per state: the codebook (decode table) */
+    int kinds[2];
+    int n_states, n_coefs, block, rule, param_dtype, grad_dtype;
+    int decoupled, maximize, nesterov, sr;
+    const int64_t *first_block; /* (n + 1,): prefix sums of blocks per tensor */
+    Encoder encoders[2];        /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
+} Job;
+
+/* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
+static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1) {
+    const int64_t *row = job->ptrs + t * (1 + 2 * job->n_states);
+    int64_t start = blk * job->block, left = job->numels[t] - start;
+    int n = left < job->block ? (int)left : job->block;
+    float *S[2] = {S0, S1};
+    load_floats(P, (const void *)row[0], start, n, job->param_dtype, 0);
+    load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
+    for (int k = 0; k < job->n_states; k++)
+        decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k]);
+    const float *c = job->coefs + t * job->n_coefs;
+    if (job->rule == ADAM) adam(P, G, S0, S1, n, c, job->decoupled);
+    else if (job->rule == SGD) sgd(P, G, S0, n, c, job->nesterov);
+    else lion(P, G, S0, n, c);
+    uint32_t key = 0;
+    int64_t offset = 0;
+    if (job->sr) { /* optim/rounding.py's rounding_key(position, step) */
+        key = mix32(mix32((uint32_t)job->round_info[2 * t]) ^ (uint32_t)(int64_t)job->steps[t]);
+        offset = job->round_info[2 * t + 1];
+    }
+    store_param(P, (void *)row[0], start, n, job->param_dtype, job->sr, key, offset);
+    for (int k = 0; k < job->n_states; k++)
+        encode_store(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], &job->encoders[k]);
+}
+
+typedef struct {
+    const Job *job;
+    int64_t lo, hi; /* global block indexes */
+} Range;
+
+static void *run_range(void *arg) {
+    const Range *r = (const Range *)arg;
+    const Job *job = r->job;
+    float P[MAX_BLOCK], G[MAX_BLOCK], S0[MAX_BLOCK], S1[MAX_BLOCK];
+    int64_t t = 0;
+    while (job->first_block[t + 1] <= r->lo) t++; /* the tensor holding block lo */
+    for (int64_t b = r->lo; b < r->hi; b++) {
+        while (job->first_block[t + 1] <= b) t++;
+        run_block(job, t, b - job->first_block[t], P, G, S0, S1);
+    }
+    return NULL;
+}
+
+/* One step of every tensor in the table, on up to n_threads threads (the caller's among them). Returns 0, or
+   -1 for a block size this file does not take. */
+int torchao_optim_cpu_step(
+    int64_t n_tensors, const int64_t *ptrs, const int64_t *grad_ptrs, const int64_t *numels, const float *coefs,
+    const float *steps, const int64_t *round_info,
+    const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0,
+    const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1,
+    int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
+    int decoupled, int maximize, int nesterov, int sr, int n_threads, int64_t min_blocks_per_thread) {
+    if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
+    int64_t *first_block = (int64_t *)malloc((size_t)(n_tensors + 1) * sizeof(int64_t));
+    if (!first_block) return -2;
+    first_block[0] = 0;
+    for (int64_t t = 0; t < n_tensors; t++) first_block[t + 1] = first_block[t] + (numels[t] + block - 1) / block;
+    int64_t total = first_block[n_tensors];
+    Job job = {n_tensors, ptrs, grad_ptrs, numels, coefs, steps, round_info,
+               {values0, values1}, {kind0, kind1},
+               n_states, n_coefs, block, rule, param_dtype, grad_dtype, decoupled, maximize, nesterov, sr,
+               first_block};
+    make_encoder(&job.encoders[0], level1_0, level2_0);
+    make_encoder(&job.encoders[1], level1_1, level2_1);
+    int64_t useful = min_blocks_per_thread > 0 ? total / min_blocks_per_thread : total;
+    int threads = n_threads < 1 ? 1 : n_threads;
+    if (threads > useful) threads = useful < 1 ? 1 : (int)useful;
+    Range ranges[256];
+    pthread_t ids[256];
+    if (threads > 256) threads = 256;
+    for (int k = 0; k < threads; k++) {
+        ranges[k].job = &job;
+        ranges[k].lo = total * k / threads;
+        ranges[k].hi = total * (k + 1) / threads;
+    }
+    int started = 0;
+    for (int k = 1; k < threads; k++) {
+        if (pthread_create(&ids[k], NULL, run_range, &ranges[k]) != 0) break;
+        started = k;
+    }
+    for (int k = started + 1; k < threads; k++) run_range(&ranges[k]); /* threads that did not start */
+    if (total > 0) run_range(&ranges[0]);
+    for (int k = 1; k <= started; k++) pthread_join(ids[k], NULL);
+    free(first_block);
+    return 0;
+}
+
+/* codec.encode over n values (fp32 in [-1, 1], no NaN) through this file's encoders: for testing them. */
+void torchao_optim_cpu_encode(const float *y, uint8_t *out, int64_t n, const int32_t *level1, const int32_t *level2,
+                              int compact) {
+    Encoder E;
+    make_encoder(&E, level1, level2);
+    E.compact &= compact; /* compact 0: the path of the two table loads */
+    for (int64_t i = 0; i < n; i += MAX_BLOCK) {
+        int m = n - i < MAX_BLOCK ? (int)(n - i) : MAX_BLOCK;
+        encode8(y + i, out + i, m, 1.0f, &E);
+    }
+}
