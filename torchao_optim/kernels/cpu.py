@@ -112,7 +112,32 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
     fn.restype = i32
     lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.torchao_optim_cpu_encode.restype = None
+    lib.torchao_optim_cpu_use_openmp.argtypes = [ptr, ptr, ptr]
+    team = _torch_openmp()
+    if team is not None:
+        lib.torchao_optim_cpu_use_openmp(*team)
     return lib
+
+
+def _torch_openmp():
+    """(GOMP_parallel, omp_get_thread_num, omp_get_num_threads) of the OpenMP runtime torch runs its CPU ops on,
+    as addresses, or None (another parallel backend, or a runtime this cannot find): the C step then starts
+    threads of its own."""
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/lib" in line and ("omp" in line.split("/")[-1])}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            runtime = ctypes.CDLL(path)  # already loaded: the same handle
+            names = ("GOMP_parallel", "omp_get_thread_num", "omp_get_num_threads")
+            return tuple(ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value for name in names)
+        except (OSError, AttributeError):
+            continue
+    return None
 
 
 def cpu_kernels_available() -> bool:

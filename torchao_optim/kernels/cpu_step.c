@@ -334,21 +334,27 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     int64_t start = blk * job->block, left = job->numels[t] - start;
     int n = left < job->block ? (int)left : job->block;
     float *S[2] = {S0, S1};
-    load_floats(P, (const void *)row[0], start, n, job->param_dtype, 0);
-    load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
+    /* fp32 parameters and gradients are updated where they are; other dtypes through the buffers */
+    int direct_p = job->param_dtype == F32, direct_g = job->grad_dtype == F32 && !job->maximize;
+    float *p = direct_p ? (float *)row[0] + start : P;
+    const float *g = direct_g ? (const float *)job->grad_ptrs[t] + start : G;
+    if (!direct_p) load_floats(P, (const void *)row[0], start, n, job->param_dtype, 0);
+    if (!direct_g) load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
     for (int k = 0; k < job->n_states; k++)
         decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k]);
     const float *c = job->coefs + t * job->n_coefs;
-    if (job->rule == ADAM) adam(P, G, S0, S1, n, c, job->decoupled);
-    else if (job->rule == SGD) sgd(P, G, S0, n, c, job->nesterov);
-    else lion(P, G, S0, n, c);
-    uint32_t key = 0;
-    int64_t offset = 0;
-    if (job->sr) { /* optim/rounding.py's rounding_key(position, step) */
-        key = mix32(mix32((uint32_t)job->round_info[2 * t]) ^ (uint32_t)(int64_t)job->steps[t]);
-        offset = job->round_info[2 * t + 1];
+    if (job->rule == ADAM) adam(p, g, S0, S1, n, c, job->decoupled);
+    else if (job->rule == SGD) sgd(p, g, S0, n, c, job->nesterov);
+    else lion(p, g, S0, n, c);
+    if (!direct_p) {
+        uint32_t key = 0;
+        int64_t offset = 0;
+        if (job->sr) { /* optim/rounding.py's rounding_key(position, step) */
+            key = mix32(mix32((uint32_t)job->round_info[2 * t]) ^ (uint32_t)(int64_t)job->steps[t]);
+            offset = job->round_info[2 * t + 1];
+        }
+        store_param(P, (void *)row[0], start, n, job->param_dtype, job->sr, key, offset);
     }
-    store_param(P, (void *)row[0], start, n, job->param_dtype, job->sr, key, offset);
     for (int k = 0; k < job->n_states; k++)
         encode_store(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], &job->encoders[k]);
 }
@@ -369,6 +375,31 @@ static void *run_range(void *arg) {
         run_block(job, t, b - job->first_block[t], P, G, S0, S1);
     }
     return NULL;
+}
+
+/* Threads. Torch's own OpenMP team where torch uses one (kernels/cpu.py hands over its GOMP_parallel and thread
+   queries): after a parallel torch op (the backward) its threads spin, waiting for more work, and threads of our
+   own would compete with them for the cores (measured: twice the step time with OMP_WAIT_POLICY=ACTIVE). Our
+   own pthreads otherwise. */
+typedef void (*gomp_parallel_t)(void (*)(void *), void *, unsigned, unsigned);
+typedef int (*omp_query_t)(void);
+static gomp_parallel_t gomp_parallel;
+static omp_query_t omp_thread_num, omp_num_threads;
+
+void torchao_optim_cpu_use_openmp(void *parallel, void *thread_num, void *num_threads) {
+    gomp_parallel = (gomp_parallel_t)parallel;
+    omp_thread_num = (omp_query_t)thread_num;
+    omp_num_threads = (omp_query_t)num_threads;
+}
+
+typedef struct {
+    Range *ranges;
+    int n;
+} Team;
+
+static void team_member(void *arg) { /* each member takes every team-size-th range: a smaller team still does all */
+    const Team *team = (const Team *)arg;
+    for (int k = omp_thread_num(); k < team->n; k += omp_num_threads()) run_range(&team->ranges[k]);
 }
 
 /* One step of every tensor in the table, on up to n_threads threads (the caller's among them). Returns 0, or
@@ -402,6 +433,12 @@ int torchao_optim_cpu_step(
         ranges[k].job = &job;
         ranges[k].lo = total * k / threads;
         ranges[k].hi = total * (k + 1) / threads;
+    }
+    if (threads > 1 && gomp_parallel) {
+        Team team = {ranges, threads};
+        gomp_parallel(team_member, &team, (unsigned)threads, 0);
+        free(first_block);
+        return 0;
     }
     int started = 0;
     for (int k = 1; k < threads; k++) {
