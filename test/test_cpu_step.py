@@ -79,6 +79,8 @@ def _assert_same_step(opt_a, opt_b, params_a, params_b):
 @pytest.mark.parametrize("fmt", _fused_formats())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_adamw_equals_compiled_path(fmt, dtype):
+    if dtype not in cpu.cpu_dtypes():
+        pytest.skip("this C compiler has no _Float16: fp16 parameters take the compiled path")
     a, b, oa, ob = _pair(AdamW, dtype, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quant_size=256)
     _train(a, b, oa, ob, dtype=dtype)
     _assert_same_step(oa, ob, a, b)
@@ -188,3 +190,31 @@ def test_built_once_into_the_cache_directory(monkeypatch, tmp_path):
         assert [p.stat().st_mtime_ns for p in tmp_path.glob("cpu_step_*.so")] == [stamp]  # reused, not rebuilt
     finally:
         cpu.cpu_kernels.cache_clear()
+
+
+def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
+    """Built without ``-march=native`` (no AVX-512 code: the encoder's two table loads, SSE2 loops), the step
+    stores the same bytes as the build for this machine: the vector paths change speed, never a result."""
+    results = []
+    try:
+        for portable in (False, True):
+            monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path / ("portable" if portable else "native")))
+            if portable:
+                monkeypatch.setattr(cpu, "NATIVE", [])
+                monkeypatch.setattr(cpu, "GATHER", [])
+            cpu.cpu_kernels.cache_clear()
+            assert cpu.cpu_kernels_available()
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((3 * 4096 + 17,), (1001,))]
+            opt = AdamW([{"params": params[:1]}, {"params": params[1:], "state_format": "4bit"}], lr=1e-2,
+                        min_quant_size=256)
+            for _ in range(3):
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            results.append([t.clone() for p in params for t in
+                            (p.detach(), opt.state[p]["exp_avg"].codes, opt.state[p]["exp_avg_sq"].absmax)])
+    finally:
+        cpu.cpu_kernels.cache_clear()
+    for x, y in zip(*results):
+        assert torch.equal(x, y)

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["cpu_kernels", "cpu_kernels_available", "launch_cpu", "quantize_nearest_cpu", "CPU_DTYPES"]
+__all__ = ["cpu_kernels", "cpu_kernels_available", "cpu_dtypes", "launch_cpu", "quantize_nearest_cpu"]
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
@@ -113,6 +113,7 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
     lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.torchao_optim_cpu_encode.restype = None
     lib.torchao_optim_cpu_use_openmp.argtypes = [ptr, ptr, ptr]
+    lib.torchao_optim_cpu_has_fp16.restype = i32
     team = _torch_openmp()
     if team is not None:
         lib.torchao_optim_cpu_use_openmp(*team)
@@ -143,6 +144,15 @@ def _torch_openmp():
 def cpu_kernels_available() -> bool:
     """Whether the fused CPU step can run here (builds it on the first call)."""
     return cpu_kernels() is not None
+
+
+def cpu_dtypes() -> dict:
+    """The parameter and gradient dtypes the built step takes (fp16 only where the compiler has ``_Float16``),
+    with their codes in ``cpu_step.c``."""
+    lib = cpu_kernels()
+    if lib is None:
+        return {}
+    return {d: c for d, c in CPU_DTYPES.items() if d != torch.float16 or lib.torchao_optim_cpu_has_fp16()}
 
 
 def launch_cpu(plan, hyperparams: torch.Tensor, decoupled: bool = False, maximize: bool = False,

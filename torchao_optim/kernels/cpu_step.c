@@ -27,6 +27,19 @@
 
 enum { PLAIN = 0, CODES4 = 4, CODES8 = 8 };
 enum { F32 = 0, BF16 = 1, F16 = 2 };
+/* fp16 parameters need the compiler's _Float16 (GCC 12, recent Clang); without it kernels/cpu.py leaves them to
+   the compiled path */
+#if defined(__FLT16_MAX__)
+#define HAVE_FLOAT16 1
+#endif
+
+int torchao_optim_cpu_has_fp16(void) {
+#ifdef HAVE_FLOAT16
+    return 1;
+#else
+    return 0;
+#endif
+}
 enum { ADAM = 0, SGD = 1, LION = 2 };
 
 
@@ -52,8 +65,10 @@ NOINLINE static void load_floats(float *restrict dst, const void *base, int64_t 
         const uint16_t *restrict s = (const uint16_t *)base + start;
         for (int i = 0; i < n; i++) dst[i] = float_of((uint32_t)s[i] << 16) * sign;
     } else {
+#ifdef HAVE_FLOAT16
         const _Float16 *restrict s = (const _Float16 *)base + start;
         for (int i = 0; i < n; i++) dst[i] = (float)s[i] * sign;
+#endif
     }
 }
 
@@ -78,8 +93,10 @@ NOINLINE static void store_param(const float *restrict p, void *base, int64_t st
             d[i] = (uint16_t)(p[i] != p[i] ? 0x7FC0u : rounded);
         }
     } else {
+#ifdef HAVE_FLOAT16
         _Float16 *restrict d = (_Float16 *)base + start;
         for (int i = 0; i < n; i++) d[i] = (_Float16)p[i];
+#endif
     }
 }
 
