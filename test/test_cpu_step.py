@@ -218,3 +218,30 @@ def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
         cpu.cpu_kernels.cache_clear()
     for x, y in zip(*results):
         assert torch.equal(x, y)
+
+
+def test_flags_the_compiler_refuses_are_dropped_once(monkeypatch, tmp_path):
+    """A flag set the compiler rejects (here a made-up option) falls through to the next one, and is not tried
+    again by a later process: the refusal is cached beside the library."""
+    monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu, "GATHER", ["-fno-such-option-torchao-optim"])
+    calls = []
+    real_run = cpu.subprocess.run
+
+    def counting_run(args, **kwargs):
+        calls.append(args)
+        return real_run(args, **kwargs)
+
+    monkeypatch.setattr(cpu.subprocess, "run", counting_run)
+    cpu.cpu_kernels.cache_clear()
+    try:
+        assert cpu.cpu_kernels_available()
+        builds = [a for a in calls if "-o" in a]
+        assert len(builds) == 2 and "-fno-such-option-torchao-optim" in builds[0]
+        assert len(list(tmp_path.glob("*.failed"))) == 1 and len(list(tmp_path.glob("*.so"))) == 1
+        calls.clear()
+        cpu.cpu_kernels.cache_clear()
+        assert cpu.cpu_kernels_available()
+        assert [a for a in calls if "-o" in a] == []  # neither rebuilt nor retried
+    finally:
+        cpu.cpu_kernels.cache_clear()

@@ -78,8 +78,12 @@ def _build(compiler: str) -> Path:
         digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(),
                                             _cpu_signature().encode()])).hexdigest()[:16]
         target = _cache_dir() / f"cpu_step_{digest}.so"
+        failed = target.with_suffix(".failed")  # this compiler refused these flags before: not tried again
         if target.exists():
             return target
+        if failed.exists():
+            errors.append(failed.read_text())
+            continue
         target.parent.mkdir(parents=True, exist_ok=True)
         # built under a temporary name and renamed: processes building at once never load a partial file
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -91,6 +95,7 @@ def _build(compiler: str) -> Path:
             return target
         os.unlink(tmp)
         errors.append(run.stderr.strip()[-500:])
+        failed.write_text(errors[-1])
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
 
 
