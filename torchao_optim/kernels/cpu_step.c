@@ -6,10 +6,11 @@
  * stores for the same values. It knows no format: a state is plain fp32 (kind 0) or codes of 8 or 4 bits
  * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each.
  *
- * Each quantization block is worked in four passes over small buffers that stay in L1: convert the parameter
- * and the gradient to fp32 and decode the states; the update rule; store the parameter; take each state's
- * absmax and encode it. Every pass is a plain loop the compiler vectorizes (the decode and the encoder's table
- * loads become gathers). The arithmetic is optim/update.py's, operation for operation, and the build turns off
+ * Each quantization block is worked in passes over small buffers that stay in L1: decode the states (and
+ * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
+ * store a converted parameter back; take each state's absmax and encode it. Every pass is a plain loop the
+ * compiler vectorizes (the decode and the encoder's table loads become gathers); the encoder's first table
+ * comes from vector registers where the codebook allows (AVX-512). The arithmetic is optim/update.py's, operation for operation, and the build turns off
  * floating-point contraction, so no multiply-add rounds differently from the compiled path.
  *
  * Built on first use with the C compiler torch.compile needs on the CPU anyway (kernels/cpu.py); no build
@@ -40,6 +41,7 @@ int torchao_optim_cpu_has_fp16(void) {
     return 0;
 #endif
 }
+
 enum { ADAM = 0, SGD = 1, LION = 2 };
 
 
