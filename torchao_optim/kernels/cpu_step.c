@@ -22,6 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define AVX512 1 /* the hand-written vector paths; the plain loops serve every other CPU */
+#endif
+
 #define MAX_BLOCK 4096
 /* each loop in a function of its own: inlined, its restrict-qualified pointers would stop meaning anything */
 #define NOINLINE __attribute__((noinline))
@@ -110,8 +115,21 @@ NOINLINE static void decode8(float *restrict dst, const uint8_t *restrict c, int
 
 NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int n, float scale,
                     const float *restrict table) {
-    int half = n / 2;
-    for (int j = 0; j < half; j++) {
+    int half = n / 2, j = 0;
+#ifdef AVX512
+    /* the 16 values (the planner pads a shorter codebook) in one register: a permute per 16 codes, no gather */
+    const __m512 values = _mm512_loadu_ps(table), s = _mm512_set1_ps(scale);
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (; j + 16 <= half; j += 16) { /* 16 bytes, 32 elements: low nibbles are the even ones */
+        __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + j)));
+        __m512 even = _mm512_permutexvar_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), values);
+        __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
+        _mm512_storeu_ps(dst + 2 * j, _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), s));
+        _mm512_storeu_ps(dst + 2 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), s));
+    }
+#endif
+    for (; j < half; j++) {
         dst[2 * j] = table[c[j] & 15] * scale;
         dst[2 * j + 1] = table[c[j] >> 4] * scale;
     }
@@ -166,9 +184,7 @@ static void make_encoder(Encoder *E, const int32_t *level1, const int32_t *level
     E->compact = 1;
 }
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define VECTOR_ENCODER 1
+#ifdef AVX512
 /* encode() on 16 values, with the first table from registers: the same arithmetic, one gather instead of two */
 static inline __m512i encode16(__m512 y, const Encoder *E, __m512i pos0, __m512i pos1, __m512i neg0, __m512i neg1,
                                __m512i zero_pos, __m512i zero_neg) {
@@ -218,7 +234,7 @@ NOINLINE static void encode4_tables(const float *restrict x, uint8_t *restrict c
 /* With the first table in registers where the codebook allows it (AVX-512), then the table loop for the rest */
 NOINLINE static void encode8(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
     int i = 0;
-#ifdef VECTOR_ENCODER
+#ifdef AVX512
     if (E->compact) {
         ENCODER_REGISTERS(E);
         __m512 scale = _mm512_set1_ps(inv);
@@ -231,7 +247,7 @@ NOINLINE static void encode8(const float *restrict x, uint8_t *restrict c, int n
 
 NOINLINE static void encode4(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
     int half = n / 2, j = 0;
-#ifdef VECTOR_ENCODER
+#ifdef AVX512
     if (E->compact) {
         ENCODER_REGISTERS(E);
         __m512 scale = _mm512_set1_ps(inv);

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.sharded import local
-from torchao_optim.quant import bucket_tables, codebook_tensor
+from torchao_optim.quant import bucket_tables
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
@@ -138,8 +138,16 @@ def _tables(layout, device) -> Tuple[Tensor, ...]:
     if layout == "fp32":
         placeholder = _placeholder(device)
         return (placeholder,) * 3
-    t = bucket_tables(layout.codebook, layout.never_zero, device)
-    return (codebook_tensor(layout.codebook, t.bounds),) + _kernel_tables(layout, device)
+    return (_decode_table(layout, device),) + _kernel_tables(layout, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _decode_table(layout, device) -> Tensor:
+    """The codebook as fp32, padded with zeros to ``2**bits`` values (a kernel may load the whole table at once,
+    the fused CPU step's 4-bit decode does); the padding is never a code's value."""
+    values = torch.zeros(2**layout.bits, dtype=torch.float32)
+    values[: len(layout.codebook)] = torch.tensor(layout.codebook, dtype=torch.float32)
+    return values.to(device)
 
 
 @functools.lru_cache(maxsize=None)
