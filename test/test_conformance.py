@@ -2,11 +2,10 @@
 conformance case: one generated test class per (format, executor), nothing listed by hand. Fused classes skip
 where the fused executor cannot run; without CUDA it runs in Triton's interpreter (conftest.py)."""
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
-import torch
 
 from torchao_optim import get_state_format, list_state_formats
 from torchao_optim.testing import OptimizerConformanceCase
-from torchao_optim.testing.optimizer_case import EXECUTORS
+from torchao_optim.testing.optimizer_case import EXECUTORS, compiled_or_eager
 
 # Formats coarser than the case's 8-bit bound: (mean, max) of |p - p_ref| / sum(lr). Measured over the case's
 # parity and lr-schedule runs, either executor: test_cubic8 mean 0.0126, max 0.35 (its cubic codebook is coarser
@@ -33,19 +32,16 @@ def _class_name(fmt: str, executor: str) -> str:
     return "Test" + "".join(part.title() for part in fmt.split("_")) + executor.title()
 
 
-# Compiling the update takes inductor's C++ backend about half a minute a test, per format: on a machine without
-# CUDA (CI) the compiled executor runs for fp32 state, dtq8, a made-up codebook format (a format written after the
-# library compiles) and the formats no fused executor covers; the others run the same update eagerly, which their
-# compiled form equals bit for bit (StateFormatTestCase.test_compiled_equals_eager_bit_for_bit). With CUDA, every
-# format runs compiled.
+# Without CUDA (CI), the compiled executor runs for fp32 state, dtq8 and a made-up codebook format (a format
+# written after the library compiles), and for the formats no fused executor covers; the others run the same
+# update eagerly (testing.optimizer_case.compiled_or_eager says why). With CUDA, every format runs compiled.
 COMPILED_ON_CPU = {"none", "dtq8", "test_cubic8"}
 
 
 def _executors(fmt: str):
     if not _fusable(fmt):
         return ("compiled",)
-    compiled = "compiled" if torch.cuda.is_available() or fmt in COMPILED_ON_CPU else "eager"
-    return (compiled,) + tuple(e for e in EXECUTORS if e not in ("compiled", "eager"))
+    return (compiled_or_eager(fmt, COMPILED_ON_CPU),) + tuple(e for e in EXECUTORS if e not in ("compiled", "eager"))
 
 
 for _fmt in ["none"] + list_state_formats():

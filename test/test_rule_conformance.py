@@ -3,10 +3,10 @@
 executor), nothing listed by hand. Fused classes skip where the fused executor cannot run; without CUDA they run
 in Triton's interpreter (conftest.py)."""
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
-import torch
 
 from torchao_optim import list_state_formats
 from torchao_optim.testing import RULES, RuleConformanceCase
+from torchao_optim.testing.optimizer_case import compiled_or_eager
 
 
 def _class_name(rule: str, fmt: str, executor: str) -> str:
@@ -19,12 +19,12 @@ def _class_name(rule: str, fmt: str, executor: str) -> str:
 SLACK = {("sgd", "fp8"): 1.25}
 
 # As in test_conformance.py: without CUDA, the compiled executor runs for fp32 state and dtq8, and the other formats
-# run the same update eagerly (compiled and eager agree bit for bit: StateFormatTestCase).
+# run the same update eagerly.
 COMPILED_ON_CPU = {"none", "dtq8"}
 
 
 def _executors(spec, fmt: str):
-    compiled = "compiled" if torch.cuda.is_available() or fmt in COMPILED_ON_CPU else "eager"
+    compiled = compiled_or_eager(fmt, COMPILED_ON_CPU)
     return [e for e in spec.executors if e not in ("compiled", "eager") or e == compiled]
 
 

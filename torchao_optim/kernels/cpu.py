@@ -177,14 +177,14 @@ def launch_cpu(plan, hyperparams: torch.Tensor, decoupled: bool = False, maximiz
     else:
         coefs = (sgd_coefficients if rule == "sgd" else lion_coefficients)(plan.steps, hyperparams)
     plan.coefs.copy_(coefs)
-    tables = [(t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]) for k in range(len(plan.layouts))]
-    kinds = [KINDS[layout if layout == "fp32" else layout.bits] for layout in plan.layouts]
-    if len(plan.layouts) == 1:
-        tables.append(iter((None, None, None)))
-        kinds.append(0)
-    args = []
-    for t, kind in zip(tables, kinds):
-        args += [*t, kind]
+    args = []  # per state slot: decode table, level1, level2, kind (an absent second state: NULLs, fp32)
+    for k in range(2):
+        if k < len(plan.layouts):
+            layout = plan.layouts[k]
+            args += [t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]]
+            args.append(KINDS[layout if layout == "fp32" else layout.bits])
+        else:
+            args += [None, None, None, KINDS["fp32"]]
     status = cpu_kernels().torchao_optim_cpu_step(
         len(plan.params), plan.ptrs.data_ptr(), plan.grad_ptrs.data_ptr(), plan.numels.data_ptr(),
         plan.coefs.data_ptr(), plan.steps.data_ptr(), plan.round_info.data_ptr(), *args,

@@ -10,8 +10,9 @@
  * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
  * store a converted parameter back; take each state's absmax and encode it. Every pass is a plain loop the
  * compiler vectorizes (the decode and the encoder's table loads become gathers); the encoder's first table
- * comes from vector registers where the codebook allows (AVX-512). The arithmetic is optim/update.py's, operation for operation, and the build turns off
- * floating-point contraction, so no multiply-add rounds differently from the compiled path.
+ * comes from vector registers where the codebook allows (AVX-512). The arithmetic is optim/update.py's,
+ * operation for operation, and the build turns off floating-point contraction, so no multiply-add rounds
+ * differently from the compiled path.
  *
  * Built on first use with the C compiler torch.compile needs on the CPU anyway (kernels/cpu.py); no build
  * step at install.
@@ -49,7 +50,6 @@ int torchao_optim_cpu_has_fp16(void) {
 
 enum { ADAM = 0, SGD = 1, LION = 2 };
 
-
 static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
 static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
 static inline int is_finite(float x) { return fabsf(x) < INFINITY; } /* NaN is not < inf */
@@ -79,12 +79,10 @@ NOINLINE static void load_floats(float *restrict dst, const void *base, int64_t 
     }
 }
 
+/* bf16 or fp16 parameters (fp32 ones are updated where they are: run_block) */
 NOINLINE static void store_param(const float *restrict p, void *base, int64_t start, int n, int dtype, int sr,
-                        uint32_t key, int64_t offset) {
-    if (dtype == F32) {
-        float *restrict d = (float *)base + start;
-        for (int i = 0; i < n; i++) d[i] = p[i];
-    } else if (dtype == BF16 && sr) {
+                                 uint32_t key, int64_t offset) {
+    if (dtype == BF16 && sr) {
         /* optim/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
         uint16_t *restrict d = (uint16_t *)base + start;
         uint32_t first = (uint32_t)(offset + start);

@@ -24,16 +24,24 @@ import expecttest
 import torch
 from torch._dynamo.utils import counters
 
-from torchao_optim.optim import Adam, AdamW
 from torchao_optim.kernels.cpu import cpu_kernels_available
+from torchao_optim.optim import Adam, AdamW
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import assert_same_tensor, save_load
 
-__all__ = ["OptimizerConformanceCase", "EXECUTORS"]
+__all__ = ["OptimizerConformanceCase", "EXECUTORS", "compiled_or_eager"]
 
 EXECUTORS = ("compiled", "eager", "fused", "cpu")
 FUSED_OPTION = {"compiled": False, "eager": False, "fused": True, "cpu": None}  # each executor's fused= argument
+
+
+def compiled_or_eager(fmt: str, compiled_on_cpu) -> str:
+    """The executor that stands for the per-parameter update of format ``fmt`` in a generated test class:
+    ``"compiled"`` with CUDA or for the formats in ``compiled_on_cpu``, else ``"eager"``. Compiling the update
+    takes inductor's C++ backend about half a minute a test on a CPU, per format; eager runs the same update,
+    which each format's compiled form equals bit for bit (StateFormatTestCase)."""
+    return "compiled" if torch.cuda.is_available() or fmt in compiled_on_cpu else "eager"
 
 NAN, INF = float("nan"), float("inf")
 ROUNDING = 1 + 1e-5  # fp32 rounding of a bound computed from a codebook value times a scale
