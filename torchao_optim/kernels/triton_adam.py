@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
+from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -90,17 +90,22 @@ def _round_key(round_info, steps, t, SR: tl.constexpr):
 
 
 @triton.jit
-def _codes_pointer(address, QUANT: tl.constexpr):
-    """A state's codes (uint8) or plain values (fp32) as a typed pointer."""
+def _codes_pointer(address, QUANT: tl.constexpr, ALIGNED: tl.constexpr):
+    """A state's codes (uint8) or plain values (fp32) as a typed pointer (``ALIGNED``: at 16 bytes). The
+    alignment is asserted here, on the cast itself: a hint on the value this function returns would be lost
+    when the call is inlined."""
     if QUANT:
-        return address.to(tl.pointer_type(tl.uint8))
+        ptr = address.to(tl.pointer_type(tl.uint8))
     else:
-        return address.to(tl.pointer_type(tl.float32))
+        ptr = address.to(tl.pointer_type(tl.float32))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
 
 
 @triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-               BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+               BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """The raw inputs of block ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scale (or fp32 values)."""
@@ -108,22 +113,30 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0)
     g = tl.load(g_base + start + local, mask=valid, other=0.0)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK, VEC)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK, VEC)
     return p, g, m_raw, m_scale, v_raw, v_scale
 
 
 @triton.jit
-def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c, key, offset,
+def _load_coefs(c):
+    """A tensor's row of coefficients, loaded once per program (a load in the tile loop is issued every tile:
+    the compiler cannot move it past the loop's stores)."""
+    return (tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3), tl.load(c + 4), tl.load(c + 5),
+            tl.load(c + 6))
+
+
+@triton.jit
+def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, DECOUPLED: tl.constexpr,
+                 MAXIMIZE: tl.constexpr,
                  FAST_DIV: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
-    """Adam's update of one loaded tile, and its stores. ``c``: the tensor's row of coefficients."""
+    """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
-    step_size, inv_bc2, wd = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2)
-    one_minus_beta1, beta2, one_minus_beta2, eps = tl.load(c + 3), tl.load(c + 4), tl.load(c + 5), tl.load(c + 6)
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
     p = p.to(tl.float32)
     g = g.to(tl.float32)
     m = load_state(m_raw, m_scale, m_values, M_QUANT)
@@ -157,8 +170,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c, key, offs
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
-    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
+    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK, VEC)
+    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK, VEC)
 
 
 @triton.jit
@@ -173,7 +186,7 @@ def adam_kernel(
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
     v_values, v_level1, v_level2,  # exp_avg_sq's
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     FAST_DIV: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
@@ -181,44 +194,43 @@ def adam_kernel(
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 5
-    c = coefs + t * 7
+    cf = _load_coefs(coefs + t * 7)
     key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
     # the program's tiles: n_full whole blocks, then at most one partial block (a tensor's last)
     n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)
     has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
-    local = tl.arange(0, BLOCK)  # offsets inside the tile: constants per thread
+    local = tile_offsets(BLOCK, VEC)  # offsets inside the tile: constants per thread
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    mc, vc = _codes_pointer(mc, M_QUANT), _codes_pointer(vc, V_QUANT)
+    mc, vc = _codes_pointer(mc, M_QUANT, ALIGNED), _codes_pointer(vc, V_QUANT, ALIGNED)
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
-        mc, vc = tl.multiple_of(mc, 16), tl.multiple_of(vc, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors.
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                         BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                             BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, c, key, offset,
+                              BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, c, key, offset,
+                          BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)

@@ -36,8 +36,23 @@ def encode(y, level1, level2):
 
 
 @triton.jit
+def tile_offsets(N: tl.constexpr, VEC: tl.constexpr):
+    """``tl.arange(0, N)``, known to the compiler as runs of only ``VEC`` contiguous offsets.
+
+    Triton gives each memory access a register layout from the contiguity it can prove: as many elements per
+    thread as one 16-byte vector holds. A tile's parameter, gradient and codes differ in width, so each would
+    get a layout of its own and every element would be moved between them (shuffles, or shared memory and a
+    barrier). Offsets in runs of ``VEC`` (16 bytes of the parameter dtype; half that many bytes of 4-bit codes)
+    give every access the parameter's layout, in which a thread's codes are those of its own elements."""
+    r = tl.arange(0, N)
+    if VEC >= N:
+        return r
+    return (r // VEC) * VEC + r % VEC
+
+
+@triton.jit
 def load_codes(codes, scales, start, blk, local, n_valid,
-               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """The raw contents of one state on the tile: ``local`` (BLOCK,) offsets from element ``start``, which
     opens block ``blk``, of which the first ``n_valid`` exist. Returns (codes as int32, the block's scale),
     or (fp32 values, 0.0) for a plain state. ``codes``/``scales`` are the addresses from the pointer table.
@@ -49,7 +64,7 @@ def load_codes(codes, scales, start, blk, local, n_valid,
             code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid,
                            other=0).to(tl.int32)
         else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
-            half = tl.arange(0, BLOCK // 2)
+            half = tile_offsets(BLOCK // 2, VEC // 2)
             byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid,
                            other=0).to(tl.int32)
             code = tl.interleave(byte & 15, byte >> 4)
@@ -70,7 +85,7 @@ def load_state(raw, scale, values, QUANT: tl.constexpr):
 
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
-                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """Write ``x`` (BLOCK fp32: quantization block ``blk`` from element ``start``; the first ``n_valid``
     exist) back: the block's absmax and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is
     finite: the update never produces a non-finite state (it skips such elements), so the compiled path's
@@ -88,7 +103,7 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         else:
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
-            half = tl.arange(0, BLOCK // 2)
+            half = tile_offsets(BLOCK // 2, VEC // 2)
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
                      mask=2 * half < n_valid)
         tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)

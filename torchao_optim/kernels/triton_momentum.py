@@ -19,23 +19,25 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _codes_pointer, _round_key, store_param
-from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state
+from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 
 RULES = {"sgd": 0, "lion": 1}
 
 
 @triton.jit
-def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, key, offset, s_values, s_level1, s_level2,
-                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr,
+def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
+                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RULE: tl.constexpr,
+                   NESTEROV: tl.constexpr,
                    MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
-    """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores."""
+    """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
+    tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_base + start + local, mask=valid, other=0.0).to(tl.float32)
-    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK)
+    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK, VEC)
     s = load_state(raw, scale, s_values, S_QUANT)
-    c0, c1, c2, c3 = tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3)
+    c0, c1, c2, c3 = coefs
 
     if MAXIMIZE:
         g = -g
@@ -60,7 +62,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, c, key, offset, 
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK)
+    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK, VEC)
 
 
 @triton.jit
@@ -74,7 +76,7 @@ def momentum_kernel(
     steps,  # fp32 (n_tensors,): the step counts, already advanced
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level2 with bounds)
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
 ):
@@ -82,25 +84,26 @@ def momentum_kernel(
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 3
     c = coefs + t * 4
+    cf = (tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3))
     key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
     n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole blocks, then at most one partial
     has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
-    local = tl.arange(0, BLOCK)
+    local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
-    sc = _codes_pointer(tl.load(row + 1), S_QUANT)
+    sc = _codes_pointer(tl.load(row + 1), S_QUANT, ALIGNED)
     ss = tl.load(row + 2)
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
-        p_base, g_base, sc = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16), tl.multiple_of(sc, 16)
+        p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
-        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, c, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
+                       s_level2, PARAM_DTYPE, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
     if has_tail:
         blk = first + n_full
-        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, c, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
+                       s_level1, s_level2, PARAM_DTYPE, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
@@ -120,7 +123,7 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
     plan.compiled = momentum_kernel[(plan.n_programs,)](
         plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.steps,
         plan.round_info, *plan.tables,
-        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, ITERS=plan.iters,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, VEC=plan.vec, ITERS=plan.iters,
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),

@@ -212,6 +212,7 @@ class GroupPlan:
         self.round_info = torch.tensor(rounding or [(i, 0) for i in range(len(params))],
                                        dtype=torch.int64).reshape(-1, 2).to(device)
         self.bf16 = param_dtype == torch.bfloat16
+        self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
 
     def rounds(self, stochastic_round: bool) -> bool:
         """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
@@ -257,7 +258,7 @@ class GroupPlan:
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.steps,
             self.round_info, *self.tables,
-            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, ITERS=self.iters,
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, VEC=self.vec, ITERS=self.iters,
             PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, FAST_DIV=not _interpreter(),
             SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,
