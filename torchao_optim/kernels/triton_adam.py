@@ -205,7 +205,9 @@ def adam_kernel(
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    mc, vc = _codes_pointer(mc, M_QUANT, ALIGNED), _codes_pointer(vc, V_QUANT, ALIGNED)
+    # 4-bit codes are not declared aligned, so they move a byte per lane: measured faster than two bytes per lane
+    # (TinyLlama fp32 4-bit step 6.7 ms against 7.3-7.5 ms, stalled on loads; benchmarks/README.md, 2026-12-01)
+    mc, vc = _codes_pointer(mc, M_QUANT, ALIGNED and M_BITS == 8), _codes_pointer(vc, V_QUANT, ALIGNED and V_BITS == 8)
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores

@@ -65,8 +65,11 @@ def load_codes(codes, scales, start, blk, local, n_valid,
                            other=0).to(tl.int32)
         else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
             half = tile_offsets(BLOCK // 2, VEC // 2)
-            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid,
-                           other=0).to(tl.int32)
+            # bytes holding a valid element: half < ceil(n_valid / 2), written so that the compiler sees the
+            # bound's divisibility (that of n_valid, a multiple of BLOCK on whole tiles) and keeps the access a
+            # vector: a byte at a time, lanes would write every other byte of a sector
+            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half,
+                           mask=half < n_valid - n_valid // 2, other=0).to(tl.int32)
             code = tl.interleave(byte & 15, byte >> 4)
         scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         return code, scale
@@ -105,7 +108,7 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
-                     mask=2 * half < n_valid)
+                     mask=half < n_valid - n_valid // 2)  # as in load_codes
         tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)

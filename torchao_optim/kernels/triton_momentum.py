@@ -93,7 +93,7 @@ def momentum_kernel(
     local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
-    sc = _codes_pointer(tl.load(row + 1), S_QUANT, ALIGNED)
+    sc = _codes_pointer(tl.load(row + 1), S_QUANT, ALIGNED and S_BITS == 8)  # as in adam_kernel
     ss = tl.load(row + 2)
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)

@@ -22,6 +22,7 @@ from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim.rounding import rounding_key
+from torchao_optim.optim import traced
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
 )
@@ -197,6 +198,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # selects Triton's interpreter for CPU parameters when TRITON_INTERPRET=1 is set (testing the Triton kernels)
         self._fused = fused is not False
         self._interpreter = fused is True
+        self._key = traced.register(self)  # how a compiled step's operator finds this optimizer (optim/traced.py)
 
     # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------
     def __getstate__(self) -> Dict[str, Any]:
@@ -245,11 +247,26 @@ class LowBitOptimizer(torch.optim.Optimizer):
                                  f"group's settings ({self._unfused_reason(group)})")
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
+        if group["state_format"] != "none":
+            self._build_format_tables(group)
         for p in group["params"]:
             if p.is_complex():
                 raise ValueError(f"{type(self).__name__} does not support complex parameters (got {p.dtype})")
             if not p.is_floating_point():
                 raise ValueError(f"{type(self).__name__} optimizes floating-point parameters, got {p.dtype}")
+
+    @staticmethod
+    def _build_format_tables(group) -> None:
+        """Create a small tensor of the group's format, signed and unsigned, so that its codebook tables exist
+        before any step: a step traced by torch.compile creates its states while compiling, where tables can no
+        longer be built (quant/codec.py)."""
+        fmt = get_state_format(group["state_format"])
+        block_size = group["block_size"] or fmt.default_block_size
+        for signed in (True, False):
+            try:
+                fmt.zeros((block_size,), signed=signed, block_size=block_size)
+            except ValueError:
+                pass  # the format refuses this shape; its tables are built with its first state
 
     # ---- state --------------------------------------------------------------------------------------
     def _state_keys(self, group, p: Optional[Tensor] = None) -> Tuple[str, ...]:
@@ -502,10 +519,66 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if getattr(self, "_in_backward", None) is not None:
             raise RuntimeError(f"{type(self).__name__}.step(): this optimizer steps in backward "
                                f"(torchao_optim.step_in_backward); call the handle's remove() to step it again")
+        if torch.compiler.is_compiling():  # one registered operator per group (optim/traced.py)
+            for index, group in enumerate(self.param_groups):
+                params, grads, tensors = [], [], []
+                self._init_group(group, params, grads, tensors)
+                if params:
+                    torch.ops.torchao_optim.step_(params, grads, tensors, self._key, index)
+            return loss
         for group in self.param_groups:
             params, states = self._params_with_grad(group)
             self._step_group(group, params, states, lambda: self._plans.setdefault(id(group), {}))
         return loss
+
+    def _group_tensors(self, group, params: List[Tensor], states: List[dict]) -> List[Tensor]:
+        """The plain tensors that hold the states of ``params``: per parameter, each state's fields (a quantized
+        state's codes and scales, or the plain state). Not the step counts: a compiled graph never reads them,
+        and on the fused CUDA path they are views of one tensor (optim/fused.py), which a graph's inputs must not
+        be."""
+        tensors = []
+        for p, state in zip(params, states):
+            for key in self._state_keys(group, p):
+                value = local(state[key])
+                tensors.extend(value.fields().values() if isinstance(value, QuantizedState) else [value])
+        return tensors
+
+    def _init_group(self, group, params: List[Tensor], grads: List[Tensor], tensors: List[Tensor]) -> int:
+        """Fill the lists with ``group``'s parameters that have a gradient, their gradients and the tensors that
+        hold their states (created here on the first step). Under torch.compile, dynamo runs this method on the
+        real objects instead of tracing it, as it does torch.optim's."""
+        ps, states = self._params_with_grad(group)
+        rule = self._fused_rule(group) if ps and self._fused and not self._offload_state else None
+        if rule is not None:  # plan now: a new plan re-points state["step"], which would recompile the next step
+            plan_group(self._plans.setdefault(id(group), {}), ps, states, rule, self._interpreter, self._rounding)
+        params.extend(ps)
+        grads.extend(p.grad for p in ps)
+        tensors.extend(self._group_tensors(group, ps, states))
+        return len(ps)
+
+    def _step_group_with(self, group, params: List[Tensor], grads: List[Tensor], tensors: List[Tensor]) -> None:
+        """The step of ``group`` run by the ``torchao_optim::step_`` operator of a compiled step: with ``grads`` as
+        the gradients (a compiled graph may hand over copies), and writing into ``params`` and ``tensors`` where
+        they are copies of the optimizer's own (see optim/traced.py)."""
+        own = [p for p in group["params"] if p.grad is not None]
+        if len(own) != len(params) or len(grads) != len(params):
+            raise RuntimeError(f"{type(self).__name__}: a compiled step was traced for {len(params)} parameters with "
+                               f"gradients in param group {self.param_groups.index(group)}, which now has "
+                               f"{len(own)}")
+        saved = [p.grad for p in own]
+        try:
+            for p, g in zip(own, grads):
+                if p.grad is not g:
+                    p.grad = g
+            own, states = self._params_with_grad(group)
+            own_tensors = self._group_tensors(group, own, states)
+            self._step_group(group, own, states, lambda: self._plans.setdefault(id(group), {}))
+        finally:
+            for p, g in zip(own, saved):
+                p.grad = g
+        for mine, theirs in zip(own + own_tensors, list(params) + list(tensors)):
+            if mine.data_ptr() != theirs.data_ptr():
+                theirs.copy_(mine)
 
     def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache) -> None:
         """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in the dict

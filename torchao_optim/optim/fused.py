@@ -184,6 +184,8 @@ class GroupPlan:
         self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
+        self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
+        self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         span = self.block * self.iters  # elements per program
         programs = (numels + span - 1) // span
@@ -227,7 +229,17 @@ class GroupPlan:
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
-                host = host.pin_memory()
+                if torch.cuda.is_current_stream_capturing():
+                    # A CUDA graph replays this copy from the same host memory: it must be kept and never
+                    # changed, and pinned memory is not allocated while capturing: the spare made beforehand.
+                    spare = self.spare_host if self.spare_host is not None else host.pin_memory()
+                    host = spare.copy_(host)
+                    self.captured_hosts.append(host)
+                    self.spare_host = None
+                else:
+                    host = host.pin_memory()
+                    if self.spare_host is None:
+                        self.spare_host = torch.empty_like(host).pin_memory()
             self.grad_ptrs.copy_(host, non_blocking=True)
             self.grad_key = key
             self.grads_aligned = all(k % 16 == 0 for k in key)
