@@ -4,6 +4,7 @@ import torch
 
 import torchao_optim
 from torchao_optim import AdamW, AdamW8bit, Lion8bit, Muon8bit, SGD8bit
+from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.muon import newton_schulz
 
@@ -102,8 +103,6 @@ def test_muon_routes_non_matrices_to_adamw():
     assert set(opt.state[opt.param_groups[1]["params"][0]]) == {"step", "exp_avg", "exp_avg_sq"}
     with pytest.raises(ValueError, match="use_muon=True: Muon updates 2-D parameters only, got shape \\(96,\\)"):
         Muon8bit([{"params": [b], "use_muon": True}])
-    with pytest.raises(ValueError, match="fused=True"):
-        Muon8bit([a], fused=True)
     with pytest.raises(ValueError, match="adjust_lr_fn"):
         Muon8bit([a], adjust_lr_fn="sqrt")
 
@@ -192,3 +191,26 @@ def test_fused_matches_compiled_path_on_cuda(name, dtype):
             assert (sa.codes != sb.codes).float().mean().item() < 0.02
         else:
             torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(not cpu_kernels_available(), reason="needs a C compiler for the fused CPU step")
+def test_muon_adamw_fallback_takes_the_fused_path():
+    """Muon8bit's AdamW parameters are planned by Adam's fused kernels (here the fused CPU step) with AdamW's
+    hyperparameters; its matrices take the compiled path. Against fused=False: the same matrices, and the AdamW
+    parameters' codes bit for bit (the fused step's arithmetic is the compiled path's)."""
+    shapes = ((64, 96), (96,), (5000,))
+    a, b = params(*shapes), params(*shapes)
+    oa = Muon8bit(a, lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0)
+    ob = Muon8bit(b, lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0, fused=False)
+    for k in range(3):
+        for p, q in zip(a, b):
+            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+        oa.step()
+        ob.step()
+    plans = [plan for cache in oa._plans.values() for plan in cache["plans"]]
+    assert sorted(len(plan.params) for plan in plans) == [2] and not ob._plans
+    for p, q in zip(a, b):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        for key, s in oa.state[p].items():
+            if isinstance(s, torchao_optim.QuantizedState):
+                assert torch.equal(s.codes, ob.state[q][key].codes), key

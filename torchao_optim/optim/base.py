@@ -452,6 +452,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 cached[i] = value
         return hp
 
+    def _fused_hyperparams(self, group, device: torch.device) -> Tensor:
+        """The hyperparameters the fused kernels of ``_fused_rule(group)`` read: :meth:`_hyperparams` unless the
+        optimizer's own differ from the rule's (Muon8bit's AdamW fallback)."""
+        return self._hyperparams(group, device)
+
     def _coefficients(self, steps: Tensor, hp: Tensor, group) -> Tensor:
         """Per-parameter coefficient rows, float64 ``steps.shape + (k,)``, from advanced step counts."""
         raise NotImplementedError
@@ -595,7 +600,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if rule is not None:
             plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
             for plan in plans:
-                plan.launch(self._hyperparams(group, plan.params[0].device), **flags)
+                plan.launch(self._fused_hyperparams(group, plan.params[0].device), **flags)
         if rest and self._capturable:
             p = params[rest[0]]
             raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "

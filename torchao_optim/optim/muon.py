@@ -18,6 +18,7 @@ from torchao_optim.optim.base import (
     LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
 )
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.fused import ADAM
 from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.optim.update import (
     adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param,
@@ -102,9 +103,11 @@ class Muon8bit(LowBitOptimizer):
             all the group's parameters; ``True``: Muon, and every parameter must be 2-D. Default: ``None``.
         maximize (bool, optional): maximize the objective. Default: ``False``.
         state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
-        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`;
-            ``fused=None`` runs the compiled path (no fused kernel implements Muon: its cost is the matrix
-            products), and ``fused=True`` and ``capturable=True`` are refused.
+        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`.
+            The AdamW fallback's parameters take the fused path as AdamW8bit's do (``fused=None`` or ``True``:
+            the CUDA kernels, or the fused CPU step). The 2-D parameters always take the compiled path: no
+            fused kernel implements Muon, whose cost is the orthogonalization's matrix products. So
+            ``capturable=True`` is refused.
     """
 
     STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -119,9 +122,6 @@ class Muon8bit(LowBitOptimizer):
                  block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None, capturable=False,
                  differentiable=False, bf16_stochastic_round=False,
                  offload_state=False):
-        if fused:
-            raise ValueError("Muon8bit(fused=True): no fused kernel implements Muon (its cost is the "
-                             "orthogonalization's matrix products); pass fused=None or False")
         if capturable:
             raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
         if offload_state:
@@ -134,12 +134,12 @@ class Muon8bit(LowBitOptimizer):
                         use_muon=use_muon, maximize=maximize, state_format=state_format, block_size=block_size,
                         min_quant_size=min_quant_size)
         self._check_hyperparams(dict(defaults, params=[]))
-        super().__init__(params, defaults, compile=compile, fused=False, foreach=foreach, capturable=capturable,
+        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
                          differentiable=differentiable,
                          bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
     def _setup(self, compile, fused, foreach=None, capturable=False, offload_state=False) -> None:
-        super()._setup(compile, False, foreach, capturable, offload_state)
+        super()._setup(compile, fused, foreach, capturable, offload_state)
         self._adam_update = CompiledOrEager(adam_update, enabled=self._compile)
 
     def _check_hyperparams(self, group) -> None:
@@ -184,6 +184,19 @@ class Muon8bit(LowBitOptimizer):
     def _hyperparam_values(self, group):
         b1, b2 = group["adamw_betas"]
         return (group["lr"], group["momentum"], group["weight_decay"], b1, b2, group["adamw_eps"])
+
+    def _fused_rule(self, group):
+        """Adam's kernels, for the AdamW fallback's parameters (a 2-D parameter's state, a momentum buffer, is
+        planned by none of them and takes the compiled path)."""
+        return ADAM
+
+    def _launch_flags(self, group):
+        return dict(decoupled=True, maximize=group["maximize"])
+
+    def _fused_hyperparams(self, group, device):
+        """AdamW's ``(lr, beta1, beta2, eps, weight_decay)`` from the group's, in the order Adam's kernels read."""
+        lr, _, weight_decay, b1, b2, eps = self._hyperparams(group, device).unbind()
+        return torch.stack([lr, b1, b2, eps, weight_decay])
 
     def _coefficients(self, steps, hp, group):
         """Muon's 4 columns, then AdamW's 7 (:func:`adam_coefficients`): each parameter reads its rule's."""
