@@ -194,3 +194,22 @@ def test_dtensor_parameters_are_refused():
             AdamW8bit(model.parameters(), offload_state=True, **SMALL)
     finally:
         dist.destroy_process_group()
+
+
+def test_step_inside_torch_compile(small_chunks):
+    """A compiled function calling the step (optim/traced.py) with offloaded state: the offloaded states are not
+    handed to the graph (only the parameters), and training is the eager twin's bit for bit."""
+    a, b = _params(), _params()
+    oa, ob = OPTIMIZERS["AdamW8bit"](a, offload_state=True), OPTIMIZERS["AdamW8bit"](b, offload_state=True)
+    torch._dynamo.reset()
+    step = torch.compile(oa.step, fullgraph=True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for p, q in zip(a, b):
+            p.grad = torch.randn(p.shape, generator=g).to(DEVICE)
+            q.grad = p.grad.clone()
+        step()
+        ob.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+    _equal_state(oa, ob)

@@ -540,9 +540,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The plain tensors that hold the states of ``params``: per parameter, each state's fields (a quantized
         state's codes and scales, or the plain state). Not the step counts: a compiled graph never reads them,
         and on the fused CUDA path they are views of one tensor (optim/fused.py), which a graph's inputs must not
-        be."""
+        be. Not offloaded states either."""
         tensors = []
         for p, state in zip(params, states):
+            if self._offloads(p):
+                continue  # held in host memory and streamed by the step itself: no graph can read it
             for key in self._state_keys(group, p):
                 value = local(state[key])
                 tensors.extend(value.fields().values() if isinstance(value, QuantizedState) else [value])
