@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 import torchao_optim
 from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
+from torchao_optim.testing import fresh_function
 
 CASES = {  # name: (factory, keyword arguments)
     "AdamW8bit": (torchao_optim.AdamW8bit, {}),
@@ -51,11 +52,11 @@ def run(name, device, compile_kwargs, steps=4):
     (ma, oa, lra), (mb, ob, lrb) = twins(name, device)
     x = torch.randn(16, 64, device=device)
 
+    @fresh_function
     def train_step(x):
         oa.step()
         return ma(x).square().mean()
 
-    torch._dynamo.reset()  # train_step's code object is shared by every call of run: start its cache empty
     compiled = torch.compile(train_step, **compile_kwargs)
     counters.clear()
     for k in range(steps):
@@ -137,9 +138,8 @@ def test_traced_step_is_one_operator_call_per_group():
     opt = torchao_optim.AdamW8bit([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 1e-4}],
                                   min_quant_size=1024)
     backward(m, torch.randn(16, 64))
-    torch._dynamo.reset()
     backend = EagerAndRecordGraphs()
-    torch.compile(opt.step, backend=backend, fullgraph=True)()
+    torch.compile(fresh_function(lambda: opt.step()), backend=backend, fullgraph=True)()
     (graph,) = backend.graphs
     calls = [n.target for n in graph.graph.nodes
              if n.op == "call_function" and n.target is not torch._C._set_grad_enabled]  # no_grad's enter and exit

@@ -13,6 +13,7 @@ import torchao_optim.optim.offload as offload
 from torchao_optim import AdamW, AdamW8bit, Lion8bit, Muon8bit, SGD8bit, step_in_backward
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
+from torchao_optim.testing import fresh_function
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not fused_available(DEVICE), reason="needs the fused path (Triton)")
@@ -201,8 +202,7 @@ def test_step_inside_torch_compile(small_chunks):
     handed to the graph (only the parameters), and training is the eager twin's bit for bit."""
     a, b = _params(), _params()
     oa, ob = OPTIMIZERS["AdamW8bit"](a, offload_state=True), OPTIMIZERS["AdamW8bit"](b, offload_state=True)
-    torch._dynamo.reset()
-    step = torch.compile(oa.step, fullgraph=True)
+    step = torch.compile(fresh_function(lambda: oa.step()), fullgraph=True)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p, q in zip(a, b):
