@@ -196,12 +196,13 @@ def test_fused_matches_compiled_path_on_cuda(name, dtype):
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs a C compiler for the fused CPU step")
 def test_muon_adamw_fallback_takes_the_fused_path():
     """Muon8bit's AdamW parameters are planned by Adam's fused kernels (here the fused CPU step) with AdamW's
-    hyperparameters; its matrices take the compiled path. Against fused=False: the same matrices, and the AdamW
-    parameters' codes bit for bit (the fused step's arithmetic is the compiled path's)."""
+    hyperparameters; its matrices take the compiled path (run eagerly here, compile=False: the same arithmetic,
+    StateFormatTestCase's compiled-equals-eager). Against fused=False: the same matrices, and the AdamW
+    parameters' codes bit for bit (the fused step's arithmetic is the update's)."""
     shapes = ((64, 96), (96,), (5000,))
     a, b = params(*shapes), params(*shapes)
-    oa = Muon8bit(a, lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0)
-    ob = Muon8bit(b, lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0, fused=False)
+    kw = dict(lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0, compile=False)
+    oa, ob = Muon8bit(a, **kw), Muon8bit(b, fused=False, **kw)
     for k in range(3):
         for p, q in zip(a, b):
             p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))

@@ -21,8 +21,8 @@ from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
-from torchao_optim.optim.rounding import rounding_key
 from torchao_optim.optim import traced
+from torchao_optim.optim.rounding import rounding_key
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
 )
@@ -583,7 +583,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         finally:
             for p, g in zip(own, saved):
                 p.grad = g
-        for mine, theirs in zip(own + own_tensors, list(params) + list(tensors)):
+        for mine, theirs in zip([local(p) for p in own] + own_tensors, [local(p) for p in params] + list(tensors)):
             if mine.data_ptr() != theirs.data_ptr():
                 theirs.copy_(mine)
 
