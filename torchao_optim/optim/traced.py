@@ -3,11 +3,13 @@
 Under ``torch.compile`` (``fullgraph=True`` too) the step of a :class:`~torchao_optim.optim.base.LowBitOptimizer`
 is traced as one call per parameter group of ``torchao_optim::step_``, a ``torch.library.custom_op`` that names
 what it mutates (the parameters and the plain tensors that hold the states: codes, scales, plain states; the
-step counts, which no graph reads, stay inside) and has a fake implementation that changes nothing. The compiler therefore sees no graph break, never
-traces into the quantized state, and keeps the call in its graph as it is; at run time the operator steps the
+step counts, which no graph reads, stay inside) and has a fake implementation that changes nothing. The
+compiler therefore sees no graph break, never traces into the quantized state, and keeps the call in its graph
+as it is; at run time the operator steps the
 group through the optimizer's own executors (the fused CUDA kernels, the fused CPU step or the per-parameter
 compiled path), exactly as an eager ``step()`` would. With ``mode="reduce-overhead"`` the fused CUDA kernels it
-launches are captured in the compiled function's CUDA graph.
+launches are meant to join the compiled function's CUDA graph (the gradient-pointer copy is capture-safe); the
+CUDA cases of test/test_compiled_step.py check it, and have not yet passed on a GPU.
 
 The operator receives the tensors the optimizer itself holds: the optimizer's parameters and states are static
 inputs of the compiled graph, which the compiler updates in place. If it ever receives copies instead (a
