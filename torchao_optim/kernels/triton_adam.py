@@ -90,22 +90,24 @@ def _round_key(round_info, steps, t, SR: tl.constexpr):
 
 
 @triton.jit
-def _codes_pointer(address, QUANT: tl.constexpr, ALIGNED: tl.constexpr):
-    """A state's codes (uint8) or plain values (fp32) as a typed pointer (``ALIGNED``: at 16 bytes). The
-    alignment is asserted here, on the cast itself: a hint on the value this function returns would be lost
-    when the call is inlined."""
+def _codes_pointer(address, QUANT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr):
+    """A state's codes (uint8) or plain values (fp32) as a typed pointer, declared 16-byte aligned where the plan's
+    addresses are (``ALIGNED``). The hint is set here, on the cast itself: a hint on the value this function
+    returns would be lost when the call is inlined. 4-bit codes are left undeclared, so they move a byte per lane:
+    measured faster than two bytes per lane (TinyLlama fp32 4-bit step 6.7 ms against 7.3-7.5 ms, stalled on
+    loads; benchmarks/README.md, 2026-12-01)."""
     if QUANT:
         ptr = address.to(tl.pointer_type(tl.uint8))
     else:
         ptr = address.to(tl.pointer_type(tl.float32))
-    if ALIGNED:
+    if ALIGNED and BITS == 8:
         ptr = tl.multiple_of(ptr, 16)
     return ptr
 
 
 @triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-               BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+               BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """The raw inputs of block ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scale (or fp32 values)."""
@@ -113,8 +115,8 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0)
     g = tl.load(g_base + start + local, mask=valid, other=0.0)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK, VEC)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK, VEC)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK)
     return p, g, m_raw, m_scale, v_raw, v_scale
 
 
@@ -129,8 +131,7 @@ def _load_coefs(c):
 @triton.jit
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, DECOUPLED: tl.constexpr,
-                 MAXIMIZE: tl.constexpr,
+                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  FAST_DIV: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
@@ -170,8 +171,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK, VEC)
-    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK, VEC)
+    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
+    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
 
 
 @triton.jit
@@ -205,34 +206,32 @@ def adam_kernel(
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    # 4-bit codes are not declared aligned, so they move a byte per lane: measured faster than two bytes per lane
-    # (TinyLlama fp32 4-bit step 6.7 ms against 7.3-7.5 ms, stalled on loads; benchmarks/README.md, 2026-12-01)
-    mc, vc = _codes_pointer(mc, M_QUANT, ALIGNED and M_BITS == 8), _codes_pointer(vc, V_QUANT, ALIGNED and V_BITS == 8)
+    mc, vc = _codes_pointer(mc, M_QUANT, M_BITS, ALIGNED), _codes_pointer(vc, V_QUANT, V_BITS, ALIGNED)
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors.
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                         BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                             BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                              BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)

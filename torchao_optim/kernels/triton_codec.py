@@ -42,8 +42,8 @@ def tile_offsets(N: tl.constexpr, VEC: tl.constexpr):
     Triton gives each memory access a register layout from the contiguity it can prove: as many elements per
     thread as one 16-byte vector holds. A tile's parameter, gradient and codes differ in width, so each would
     get a layout of its own and every element would be moved between them (shuffles, or shared memory and a
-    barrier). Offsets in runs of ``VEC`` (16 bytes of the parameter dtype; half that many bytes of 4-bit codes)
-    give every access the parameter's layout, in which a thread's codes are those of its own elements."""
+    barrier). Offsets in runs of ``VEC`` (16 bytes of the parameter dtype) give every access the parameter's
+    layout, in which a thread's 8-bit codes are those of its own elements."""
     r = tl.arange(0, N)
     if VEC >= N:
         return r
@@ -52,7 +52,7 @@ def tile_offsets(N: tl.constexpr, VEC: tl.constexpr):
 
 @triton.jit
 def load_codes(codes, scales, start, blk, local, n_valid,
-               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """The raw contents of one state on the tile: ``local`` (BLOCK,) offsets from element ``start``, which
     opens block ``blk``, of which the first ``n_valid`` exist. Returns (codes as int32, the block's scale),
     or (fp32 values, 0.0) for a plain state. ``codes``/``scales`` are the addresses from the pointer table.
@@ -64,12 +64,9 @@ def load_codes(codes, scales, start, blk, local, n_valid,
             code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid,
                            other=0).to(tl.int32)
         else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
-            half = tile_offsets(BLOCK // 2, VEC // 2)
-            # bytes holding a valid element: half < ceil(n_valid / 2), written so that the compiler sees the
-            # bound's divisibility (that of n_valid, a multiple of BLOCK on whole tiles) and keeps the access a
-            # vector: a byte at a time, lanes would write every other byte of a sector
-            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half,
-                           mask=half < n_valid - n_valid // 2, other=0).to(tl.int32)
+            half = tl.arange(0, BLOCK // 2)
+            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid,
+                           other=0).to(tl.int32)
             code = tl.interleave(byte & 15, byte >> 4)
         scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         return code, scale
@@ -88,7 +85,7 @@ def load_state(raw, scale, values, QUANT: tl.constexpr):
 
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
-                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
     """Write ``x`` (BLOCK fp32: quantization block ``blk`` from element ``start``; the first ``n_valid``
     exist) back: the block's absmax and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is
     finite: the update never produces a non-finite state (it skips such elements), so the compiled path's
@@ -106,9 +103,9 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         else:
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
-            half = tile_offsets(BLOCK // 2, VEC // 2)
+            half = tl.arange(0, BLOCK // 2)
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
-                     mask=half < n_valid - n_valid // 2)  # as in load_codes
+                     mask=2 * half < n_valid)
         tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)

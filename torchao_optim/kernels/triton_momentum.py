@@ -26,8 +26,7 @@ RULES = {"sgd": 0, "lion": 1}
 
 @triton.jit
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
-                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, RULE: tl.constexpr,
-                   NESTEROV: tl.constexpr,
+                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr,
                    MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
     """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
@@ -35,7 +34,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_base + start + local, mask=valid, other=0.0).to(tl.float32)
-    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK, VEC)
+    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK)
     s = load_state(raw, scale, s_values, S_QUANT)
     c0, c1, c2, c3 = coefs
 
@@ -62,7 +61,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK, VEC)
+    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK)
 
 
 @triton.jit
@@ -93,17 +92,17 @@ def momentum_kernel(
     local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
-    sc = _codes_pointer(tl.load(row + 1), S_QUANT, ALIGNED and S_BITS == 8)  # as in adam_kernel
+    sc = _codes_pointer(tl.load(row + 1), S_QUANT, S_BITS, ALIGNED)
     ss = tl.load(row + 2)
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level1, s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
