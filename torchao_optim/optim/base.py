@@ -533,8 +533,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return loss
         for group in self.param_groups:
             params, states = self._params_with_grad(group)
-            self._step_group(group, params, states, lambda: self._plans.setdefault(id(group), {}))
+            self._step_group(group, params, states, lambda: self._group_plans(group))
         return loss
+
+    def _group_plans(self, group) -> dict:
+        """Where ``group``'s fused plans are cached (optim/fused.py's plan_group)."""
+        return self._plans.setdefault(id(group), {})
 
     def _group_tensors(self, group, params: List[Tensor], states: List[dict]) -> List[Tensor]:
         """The plain tensors that hold the states of ``params``: per parameter, each state's fields (a quantized
@@ -557,7 +561,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         ps, states = self._params_with_grad(group)
         rule = self._fused_rule(group) if ps and self._fused and not self._offload_state else None
         if rule is not None:  # plan now: a new plan re-points state["step"], which would recompile the next step
-            plan_group(self._plans.setdefault(id(group), {}), ps, states, rule, self._interpreter, self._rounding)
+            plan_group(self._group_plans(group), ps, states, rule, self._interpreter, self._rounding)
         params.extend(ps)
         grads.extend(p.grad for p in ps)
         tensors.extend(self._group_tensors(group, ps, states))
@@ -579,7 +583,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     p.grad = g
             own, states = self._params_with_grad(group)
             own_tensors = self._group_tensors(group, own, states)
-            self._step_group(group, own, states, lambda: self._plans.setdefault(id(group), {}))
+            self._step_group(group, own, states, lambda: self._group_plans(group))
         finally:
             for p, g in zip(own, saved):
                 p.grad = g
