@@ -5,6 +5,7 @@ For each parameter geometry and dtype it measures, for every optimizer in one ru
 - the first step (compile included; caches are cold unless --warm-cache),
 - the step time when the learning rate changes every step (as a Python float, like a scheduler),
 - optimizer-state bytes per parameter and the step's transient peak memory (CUDA),
+(our steps on CUDA are replayed from a CUDA graph after their first steps unless ``--no-step-graphs``)
 and prints each time's ratio to the bandwidth floor (bytes the step must move with that optimizer's own state
 bytes / copy bandwidth measured in the same run) and to torch's fused AdamW. Writes JSON and a PNG bar chart.
 
@@ -158,7 +159,13 @@ def main(argv=None):
     ap.add_argument("--formats-from", default=None,
                     help="a Python file that registers more state formats (e.g. test/made_up_formats.py): each is "
                          "benchmarked like the built-in ones, with no other change")
+    ap.add_argument("--no-step-graphs", action="store_true",
+                    help="issue every CUDA step from Python: no CUDA-graph replay (torchao_optim.optim.replay)")
     args = ap.parse_args(argv)
+    if args.no_step_graphs:
+        from torchao_optim.optim import replay
+
+        replay.ENABLED = False
     if args.formats_from:
         import runpy
 

@@ -167,7 +167,6 @@ def launch_cpu(plan, hyperparams: torch.Tensor, decoupled: bool = False, maximiz
     path computes them), then one call updates every tensor."""
     from torchao_optim.optim.update import adam_coefficients, lion_coefficients, sgd_coefficients
 
-    plan.refresh_grads()
     steps = [s["step"] for s in plan.states]  # each state's own counter (GroupPlan says why)
     torch._foreach_add_(steps, 1)
     plan.steps = torch.stack(steps).to(torch.float32)

@@ -111,7 +111,6 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
     rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
     from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
 
-    plan.refresh_grads()
     plan.steps.add_(1)
     rule = plan.rule.name
     coefficients = sgd_coefficients if rule == "sgd" else lion_coefficients

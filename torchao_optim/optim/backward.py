@@ -36,6 +36,7 @@ class StepInBackward:
         self._handles = []
         self.optimizer._in_backward = None
         self.optimizer._plans.clear()  # the per-parameter plans own the step counts now: plan again
+        self.optimizer._graphs.clear()
         self.optimizer._with_grad.clear()
 
 
@@ -73,6 +74,7 @@ def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], opti
     optimizer._group_of = group_of
     optimizer._in_backward = {}
     optimizer._plans.clear()
+    optimizer._graphs.clear()
     handles = [p.register_post_accumulate_grad_hook(hook)
                for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
     return StepInBackward(optimizer, handles)

@@ -9,7 +9,9 @@ executors read) and updates one parameter on the compiled path; everything else 
 """
 from __future__ import annotations
 
+import functools
 import numbers
+import operator
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -21,7 +23,8 @@ from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
-from torchao_optim.optim import traced
+from torchao_optim.optim import replay, traced
+from torchao_optim.optim.replay import StepGraph
 from torchao_optim.optim.rounding import rounding_key
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
@@ -29,6 +32,10 @@ from torchao_optim.optim.sharded import (
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
+
+_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_IS_NONE = functools.partial(operator.is_, None)
+_STRIDED = functools.partial(operator.is_, torch.strided)
 
 
 def number(name, value, tensor_ok=False):
@@ -191,6 +198,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._update = CompiledOrEager(type(self).update_fn, enabled=self._compile)
         self._hp_tensors: Dict[tuple, tuple] = {}
         self._plans: Dict[int, dict] = {}
+        self._graphs: Dict[int, StepGraph] = {}  # id(group) -> its step's CUDA graph (optim/replay.py)
+        self._grad_addresses: Dict[int, tuple] = {}  # id(group) -> (its params with grads, their grads' addresses)
+        self._replayable: Dict[int, tuple] = {}  # id(group) -> (its params with grads, the device a graph may use)
+        self._round_info: Dict[tuple, tuple] = {}  # (param ids, device) -> (params, their rounding rows there)
         self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
         self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
         self._in_backward: Optional[Dict[int, tuple]] = None  # step_in_backward: id(param) -> (its list, plans)
@@ -361,6 +372,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         param_groups, state = checked_state(self, state_dict, self.STORAGE_KEYS)
         self.__setstate__({"state": state, "param_groups": param_groups})
         self._plans.clear()  # plans point at the replaced state tensors
+        self._graphs.clear()  # and so do the graphs that replay them
         self._with_grad.clear()
         self._hp_tensors.clear()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -438,8 +450,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """:meth:`_hyperparam_values` as a float64 tensor on ``device``, refilled only where a value changed; a
         tensor lr on the device is copied there without a host sync."""
         values = self._hyperparam_values(group)
-        cached, hp = self._hp_tensors.setdefault(
-            (id(group), device), ([None] * len(values), torch.zeros(len(values), dtype=torch.float64, device=device)))
+        entry = self._hp_tensors.get((id(group), device))
+        if entry is None:
+            entry = self._hp_tensors[(id(group), device)] = (
+                [None] * len(values), torch.zeros(len(values), dtype=torch.float64, device=device))
+        cached, hp = entry
         for i, value in enumerate(values):
             if isinstance(value, Tensor):
                 if value.device == device:
@@ -476,14 +491,23 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The group's parameters that have a gradient, and their states (created on first use). The lists
         are reused while the same parameters have gradients and the group's state keys are the same: a step
         costs one pass over the grads."""
-        grads = [p.grad for p in group["params"]]
-        key = (tuple(map(id, group["params"])), tuple(g is None for g in grads), self._state_keys(group))
+        # (map over C functions: this runs on every step, before any launch, for every parameter)
+        grads = list(map(_GRAD, group["params"]))
+        present = [g for g in grads if g is not None]
+        key = (tuple(map(id, group["params"])), len(present) == len(grads) or tuple(map(_IS_NONE, grads)),
+               self._state_keys(group))
         cached = self._with_grad.get(id(group))
         if cached is not None and cached[0] == key:
             # The gradients may be new tensors every step; torch checks that a gradient's dtype is its
-            # parameter's, but a sparse one may replace a dense one.
-            if all(g is None or g.layout is torch.strided for g in grads):
+            # parameter's, but a sparse one may replace a dense one. A sparse gradient has no address (nor
+            # has a DTensor's, checked by layout): taking the addresses, which the fused plans need, checks it.
+            try:
+                self._grad_addresses[id(group)] = (cached[1], tuple(map(Tensor.data_ptr, present)))
                 return cached[1], cached[2]
+            except RuntimeError:
+                self._grad_addresses.pop(id(group), None)
+                if all(map(_STRIDED, map(_LAYOUT, present))):
+                    return cached[1], cached[2]
         params, states = [], []
         for p, grad in zip(group["params"], grads):
             if grad is None:
@@ -533,7 +557,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return loss
         for group in self.param_groups:
             params, states = self._params_with_grad(group)
-            self._step_group(group, params, states, lambda: self._group_plans(group))
+            self._step_group(group, params, states, lambda: self._group_plans(group), replay=True)
         return loss
 
     def _group_plans(self, group) -> dict:
@@ -560,8 +584,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         real objects instead of tracing it, as it does torch.optim's."""
         ps, states = self._params_with_grad(group)
         rule = self._fused_rule(group) if ps and self._fused and not self._offload_state else None
+        rest = range(len(ps))
         if rule is not None:  # plan now: a new plan re-points state["step"], which would recompile the next step
-            plan_group(self._group_plans(group), ps, states, rule, self._interpreter, self._rounding)
+            _, rest = plan_group(self._group_plans(group), ps, states, rule, self._interpreter, self._rounding)
+        # and make now the device tensors the step keeps (a CUDA graph's pool must not own them)
+        for device in {p.device for p in ps}:
+            self._hyperparams(group, device)
+            if group["bf16_stochastic_round"]:
+                self._rounding_rows([ps[i] for i in rest if ps[i].device == device], device)
         params.extend(ps)
         grads.extend(p.grad for p in ps)
         tensors.extend(self._group_tensors(group, ps, states))
@@ -591,9 +621,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if mine.data_ptr() != theirs.data_ptr():
                 theirs.copy_(mine)
 
-    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache) -> None:
+    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache, replay: bool = False) -> None:
         """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in the dict
-        ``plan_cache()`` gives, while the same list comes back), then the compiled path for the rest."""
+        ``plan_cache()`` gives, while the same list comes back), then the compiled path for the rest. With
+        ``replay``, the launches may be replayed from a CUDA graph (:mod:`torchao_optim.optim.replay`)."""
         rest = range(len(params))
         rule = self._fused_rule(group) if params and self._fused else None
         flags = dict(self._launch_flags(group), stochastic_round=group["bf16_stochastic_round"])
@@ -603,17 +634,63 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 self._step_offloaded(group, [params[i] for i in offloaded], [states[i] for i in offloaded], rule,
                                      plan_cache, flags)
             rest, rule = [i for i in rest if not self._offloads(params[i])], None  # the others: compiled path
+        plans = []
         if rule is not None:
             plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
-            for plan in plans:
-                plan.launch(self._fused_hyperparams(group, plan.params[0].device), **flags)
         if rest and self._capturable:
             p = params[rest[0]]
             raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
                              f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
                              f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')")
-        if rest:
-            self._step_compiled([params[i] for i in rest], [states[i] for i in rest], group)
+        compiled = ([params[i] for i in rest], [states[i] for i in rest])
+
+        def work():
+            for plan in plans:
+                plan.launch(self._fused_hyperparams(group, plan.params[0].device), refresh=False, **flags)
+            if compiled[0]:
+                self._step_compiled(*compiled, group)
+
+        # the fused path's table of gradient addresses: refreshed here, outside any graph that replays it
+        addresses = self._grad_addresses.get(id(group)) if replay else None
+        addresses = addresses[1] if addresses is not None and addresses[0] is params else None
+        for plan in plans:
+            plan.refresh_grads(addresses)
+        device = self._replay_device(group, params) if replay and (not compiled[0] or self._update.enabled) else None
+        if device is None:
+            return work()
+        # Outside the graph too: the hyperparameters, refilled in place where a number changed; then what says
+        # whether the graph still holds.
+        self._hyperparams(group, device)
+        # The numbers the hyperparameter tensor carries are data (refilled above); a tensor is read by address;
+        # anything else the step may read as a constant (a flag, Muon's eps): it is part of the signature.
+        data = {id(x) for x in self._hyperparam_values(group) if not isinstance(x, Tensor)}
+        settings, tensors = [], []
+        for k, v in group.items():
+            if isinstance(v, Tensor):
+                settings.append((k, id(v)))
+                tensors.append(v)
+            elif k != "params" and not (id(v) in data or isinstance(v, tuple) and v
+                                        and all(id(x) in data for x in v)):
+                settings.append((k, v))
+        signature = (id(params), tuple(settings), tuple(id(plan) for plan in plans),
+                     tuple(plan.grads_aligned for plan in plans),
+                     tuple(p.data_ptr() for p in compiled[0]), tuple(p.grad.data_ptr() for p in compiled[0]))
+        self._graphs.setdefault(id(group), StepGraph()).run(signature, (params, plans, tensors), work, device)
+
+    def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
+        """The CUDA device whose graph may replay the step of ``params`` (``group``'s with gradients), or None
+        where none may: see :mod:`torchao_optim.optim.replay` for when."""
+        if not params or not replay.ENABLED or self._offload_state or self._in_backward is not None:
+            return None
+        cached = self._replayable.get(id(group))
+        if cached is None or cached[0] is not params:  # decided once per list of parameters
+            device = params[0].device
+            if device.type != "cuda" or any(p.device != device or is_dtensor(p) for p in params):
+                device = None
+            cached = self._replayable[id(group)] = (params, device)
+        if cached[1] is None or torch.cuda.is_current_stream_capturing():
+            return None
+        return cached[1]
 
     @torch.no_grad()
     def _step_param(self, p: Tensor) -> None:
@@ -656,9 +733,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
         step count, computed for all at once; padded by one row like the coefficients. Else None."""
         if not group["bf16_stochastic_round"] or not any(p.dtype == torch.bfloat16 for p in params):
             return None
-        info = torch.tensor(self._rounding(params), dtype=torch.int64).to(device)  # (n, 2)
+        info = self._rounding_rows(params, device)  # (n, 2)
         keys = rounding_key(info[:, 0], torch.stack(steps).reshape(-1))
         return torch.nn.functional.pad(torch.stack([keys, info[:, 1]], 1), (0, 0, 1, 0)).unbind(0)
+
+    def _rounding_rows(self, params, device) -> Tensor:
+        """:meth:`_rounding` of ``params`` as an int64 ``(n, 2)`` tensor on ``device``: static while the same
+        parameters step, so copied there once (never inside a CUDA graph, which cannot copy pageable memory)."""
+        ids = (tuple(map(id, params)), device)
+        if ids not in self._round_info:  # the parameters are kept with it, so that their ids are not reused
+            self._round_info[ids] = (list(params), torch.tensor(self._rounding(params), dtype=torch.int64).to(device))
+        return self._round_info[ids][1]
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key: Optional[Tensor] = None) -> None:
         """One parameter on the compiled path, with its row of :meth:`_coefficients` (and, for stochastic

@@ -20,6 +20,7 @@ layout, non-contiguous tensors, devices with neither executor) take the per-para
 from __future__ import annotations
 
 import functools
+import operator
 import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
@@ -32,6 +33,7 @@ from torchao_optim.quant import bucket_tables
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
+_GRAD = operator.attrgetter("grad")
 ITERS = 8  # quantization blocks per program, walked one register tile at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
 NUM_WARPS = 1  # one warp per 256-element block: its absmax is a warp reduction, no shared memory
@@ -220,12 +222,16 @@ class GroupPlan:
         """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
         return bool(stochastic_round) and self.bf16
 
-    def refresh_grads(self) -> None:
-        """Point the kernel at the gradients' current addresses (a copy only when one moved)."""
+    def refresh_grads(self, group_addresses: Optional[tuple] = None) -> None:
+        """Point the kernel at the gradients' current addresses (a copy only when one moved).
+        ``group_addresses``: the addresses of the gradients of the list the plan was made from, in its order,
+        where the caller has them (this runs before the step's first launch, for every parameter)."""
         if self.sharded:
             key = tuple(local(p.grad).data_ptr() for p in self.params)
-        else:  # the common case, on every step: no per-parameter call beyond the address
-            key = tuple([p.grad.data_ptr() for p in self.params])
+        elif group_addresses is not None:
+            key = self.pick(group_addresses)
+        else:
+            key = tuple(map(Tensor.data_ptr, map(_GRAD, self.params)))
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
@@ -245,11 +251,14 @@ class GroupPlan:
             self.grads_aligned = all(k % 16 == 0 for k in key)
 
     def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False,
-               stochastic_round: bool = False, **flags) -> None:
+               stochastic_round: bool = False, refresh: bool = True, **flags) -> None:
         """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
         ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
         Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update. On the
-        CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`."""
+        CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`. ``refresh=False``: the caller has just
+        called :meth:`refresh_grads`."""
+        if refresh:
+            self.refresh_grads()
         if self.executor == "cpu":
             from torchao_optim.kernels.cpu import launch_cpu
 
@@ -261,7 +270,6 @@ class GroupPlan:
             return launch_momentum(self, hyperparams, maximize=maximize, stochastic_round=stochastic_round, **flags)
         from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
 
-        self.refresh_grads()
         n = len(self.params)
         adam_coefs_kernel[(1,)](self.steps, hyperparams, self.coefs, n, DECOUPLED=decoupled,
                                 N_POW2=max(16, 1 << (n - 1).bit_length()), num_warps=4)
@@ -303,5 +311,7 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
     plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx],
                        rounding([params[i] for i in idx]) if rounding is not None else None)
              for k, idx in buckets.items()]
+    for plan, idx in zip(plans, buckets.values()):  # its parameters' positions in ``params``
+        plan.pick = (lambda seq, i=idx[0]: (seq[i],)) if len(idx) == 1 else operator.itemgetter(*idx)
     cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest)
     return plans, rest

@@ -1,0 +1,108 @@
+"""A group's CUDA step replayed from a CUDA graph (optim/replay.py) steps exactly as the step issued from Python.
+Skipped without CUDA."""
+import pytest
+import torch
+
+import torchao_optim
+from torchao_optim.optim import replay
+from torchao_optim.optim.fused import fused_available
+from torchao_optim.state import QuantizedState
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fused_available()),
+                                reason="needs a CUDA device and Triton")
+
+SHAPES = [(256, 64), (1000, 7), (300,), (5000,), (3, 4096)]
+
+
+def fields(state):
+    return list(state.fields().values()) if isinstance(state, QuantizedState) else [state]
+
+
+def train(opt, params, grads, graphs: bool, lr_tensor=None):
+    """Ten steps: gradients written in place, except that param 0's moves to a new tensor at step 4; the lr
+    changes every step; ``maximize`` flips at step 7 (a setting: the graph must be dropped)."""
+    old = replay.ENABLED
+    replay.ENABLED = graphs
+    try:
+        for i, g in enumerate(grads):
+            for p, gi in zip(params, g):
+                if p.grad is None or (i == 4 and p is params[0]):
+                    p.grad = gi.clone()
+                else:
+                    p.grad.copy_(gi)
+            lr = 1e-3 * (1 + 0.1 * i)
+            for group in opt.param_groups:
+                if lr_tensor is not None:
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+                group["maximize"] = i >= 7
+            opt.step()
+    finally:
+        replay.ENABLED = old
+
+
+@pytest.mark.parametrize("case", ["fused-fp32", "compiled-fp32", "fused-bf16-sr", "compiled-bf16-sr",
+                                  "fused-tensor-lr", "sgd8bit", "compiled-4bit", "muon8bit"])
+def test_replayed_step_equals_the_step_from_python(case, monkeypatch):
+    dtype = torch.bfloat16 if "bf16" in case else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in SHAPES]
+    grads = [[torch.randn(s, generator=gen).to("cuda", dtype) * 1e-2 for s in SHAPES] for _ in range(10)]
+    captures = []
+    real_capture = replay.StepGraph._capture
+    monkeypatch.setattr(replay.StepGraph, "_capture",
+                        lambda self, work, device: captures.append(1) or real_capture(self, work, device))
+
+    def build():
+        params = [torch.nn.Parameter(x.to("cuda", dtype)) for x in init]
+        lr = torch.tensor(1e-3, device="cuda") if case == "fused-tensor-lr" else 1e-3
+        kw = dict(lr=lr, min_quant_size=512, bf16_stochastic_round="sr" in case)
+        if case == "sgd8bit":
+            opt = torchao_optim.SGD8bit(params, lr=1e-3, momentum=0.9, min_quant_size=512)
+        elif case == "muon8bit":  # Newton-Schulz matmuls on the compiled path, the AdamW fallback fused
+            opt = torchao_optim.Muon8bit(params, lr=2e-2, min_quant_size=512)
+        elif case == "compiled-4bit":
+            opt = torchao_optim.AdamW(params, state_format="4bit", fused=False, **kw)
+        else:
+            opt = torchao_optim.AdamW(params, fused=None if case.startswith("fused") else False, **kw)
+        return params, opt
+
+    (a, opt_a), (b, opt_b) = build(), build()
+    lr_tensor = case == "fused-tensor-lr" or None
+    train(opt_a, a, grads, graphs=True, lr_tensor=lr_tensor)
+    n_captures = len(captures)
+    train(opt_b, b, grads, graphs=False, lr_tensor=lr_tensor)
+    # captured after the first steps, again after the moved gradient (the compiled path reads it by address)
+    # or not (the fused path's table follows it), and again after maximize flipped; never without graphs
+    assert n_captures >= 2 and len(captures) == n_captures, captures
+    assert opt_a._graphs and all(g.graph is not None and not g.failed for g in opt_a._graphs.values())
+    for pa, pb in zip(a, b):
+        assert torch.equal(pa, pb)
+        sa, sb = opt_a.state[pa], opt_b.state[pb]
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            for x, y in zip(fields(sa[key]), fields(sb[key])):
+                assert torch.equal(x, y), (case, key)
+
+
+def test_a_group_that_cannot_be_captured_steps_without_a_graph(monkeypatch):
+    # a capture that fails (here: a host copy of pageable memory, which a capture refuses) warns once and
+    # leaves the group stepping from Python, with the same results
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
+    opt = torchao_optim.AdamW(params, fused=False, min_quant_size=512)
+    real = opt._step_compiled
+
+    def with_a_host_copy(*args):
+        torch.ones(4).to("cuda")
+        return real(*args)
+
+    monkeypatch.setattr(opt, "_step_compiled", with_a_host_copy)
+    for p in params:
+        p.grad = torch.ones_like(p)  # in place from here on: the signature repeats
+    with pytest.warns(RuntimeWarning, match="could not capture"):
+        for _ in range(replay.REPEATS + 2):
+            opt.step()
+    graph = next(iter(opt._graphs.values()))
+    assert graph.failed and graph.graph is None
+    assert all(opt.state[p]["step"].item() == replay.REPEATS + 2 for p in params)
