@@ -1,5 +1,6 @@
-"""A group's CUDA step replayed from a CUDA graph (optim/replay.py) steps exactly as the step issued from Python.
-Skipped without CUDA."""
+"""A group's CUDA step replayed from a CUDA graph (optim/replay.py) steps exactly as the step issued from Python
+(on a GPU), and what decides when a graph is captured, replayed or dropped (on the CPU, with the capture
+stood in for: the signature and the capture policy are plain Python)."""
 import pytest
 import torch
 
@@ -8,8 +9,8 @@ from torchao_optim.optim import replay
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fused_available()),
-                                reason="needs a CUDA device and Triton")
+requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fused_available()),
+                                   reason="needs a CUDA device and Triton")
 
 SHAPES = [(256, 64), (1000, 7), (300,), (5000,), (3, 4096)]
 
@@ -42,6 +43,7 @@ def train(opt, params, grads, graphs: bool, lr_tensor=None):
         replay.ENABLED = old
 
 
+@requires_cuda
 @pytest.mark.parametrize("case", ["fused-fp32", "compiled-fp32", "fused-bf16-sr", "compiled-bf16-sr",
                                   "fused-tensor-lr", "sgd8bit", "compiled-4bit", "muon8bit"])
 def test_replayed_step_equals_the_step_from_python(case, monkeypatch):
@@ -86,6 +88,7 @@ def test_replayed_step_equals_the_step_from_python(case, monkeypatch):
                 assert torch.equal(x, y), (case, key)
 
 
+@requires_cuda
 def test_a_group_that_cannot_be_captured_steps_without_a_graph(monkeypatch):
     # a capture that fails (here: a host copy of pageable memory, which a capture refuses) warns once and
     # leaves the group stepping from Python, with the same results
@@ -106,3 +109,101 @@ def test_a_group_that_cannot_be_captured_steps_without_a_graph(monkeypatch):
     graph = next(iter(opt._graphs.values()))
     assert graph.failed and graph.graph is None
     assert all(opt.state[p]["step"].item() == replay.REPEATS + 2 for p in params)
+
+
+class _Recorded:
+    """Stands in for a CUDA graph on the CPU: its "replay" runs the work it was "captured" from."""
+
+    def __init__(self, work):
+        self.work = work
+
+    def replay(self):
+        self.work()
+
+
+@pytest.fixture
+def cpu_graphs(monkeypatch):
+    """Replay on the CPU: every step reports (signature, what happened) to the returned list."""
+    from torchao_optim.optim import base
+
+    events = []
+    monkeypatch.setattr(base.LowBitOptimizer, "_replay_device", lambda self, group, params: torch.device("cpu"))
+    monkeypatch.setattr(replay.StepGraph, "_capture", lambda self, work, device: _Recorded(work))
+    real_run = replay.StepGraph.run
+
+    def run(self, signature, keep, work, device):
+        before = self.graph
+        real_run(self, signature, keep, work, device)
+        events.append((signature, "replayed" if before is not None and self.graph is before
+                       else "captured" if self.graph is not None else "python"))
+
+    monkeypatch.setattr(replay.StepGraph, "run", run)
+    return events
+
+
+@pytest.mark.parametrize("fused", [None, False])
+def test_what_keeps_and_what_drops_a_graph(cpu_graphs, fused):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 32), (300,)]]
+    opt = torchao_optim.AdamW(params, fused=fused, min_quant_size=512)
+    group = opt.param_groups[0]
+
+    def step(**change):
+        for k, v in change.items():
+            group[k] = v
+        opt.step()
+        return cpu_graphs[-1][1]
+
+    for p in params:
+        p.grad = torch.randn_like(p)
+    assert [step() for _ in range(replay.REPEATS + 2)] == ["python"] * replay.REPEATS + ["captured", "replayed"]
+    # numbers the hyperparameter tensor carries are data: a new lr, betas or weight decay replays the graph
+    assert step(lr=3e-4) == step(betas=(0.8, 0.99)) == step(weight_decay=0.1) == "replayed"
+    # a setting is a constant of the graph: it is dropped, and captured again once the change has repeated
+    assert [step(maximize=True) for _ in range(replay.REPEATS + 2)] == ["python"] * replay.REPEATS + [
+        "captured", "replayed"]
+    # a moved gradient: the fused path reads its address from a table refreshed before each replay; the
+    # compiled path reads it directly, so its graph is dropped
+    params[0].grad = params[0].grad.clone()
+    assert step() == ("replayed" if fused is None else "python")
+    # a parameter without a gradient is a new list of parameters to step
+    params[1].grad = None
+    assert step() == "python"
+
+
+def test_muon_eps_is_a_setting_and_its_lr_is_data(cpu_graphs):
+    params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(300))]
+    opt = torchao_optim.Muon8bit(params, lr=2e-2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert cpu_graphs[-1][1] == "captured"
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    assert cpu_graphs[-1][1] == "replayed"
+    opt.param_groups[0]["eps"] = 1e-6  # read by the Newton-Schulz iteration as a Python number
+    opt.step()
+    assert cpu_graphs[-1][1] == "python"
+
+
+def test_replayed_steps_equal_steps_from_python_on_the_cpu(cpu_graphs):
+    # the bookkeeping around a replay (hyperparameters refilled outside it, plans' gradient tables refreshed
+    # outside it) leaves the step what it was: stood-in replays give the parameters of a plain run
+    def train(graphs):
+        old, replay.ENABLED = replay.ENABLED, graphs
+        try:
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 32), (300,)]]
+            opt = torchao_optim.AdamW(params, min_quant_size=512)
+            for i in range(6):
+                for p in params:
+                    p.grad = torch.randn_like(p)
+                opt.param_groups[0]["lr"] = 1e-3 * (i + 1)
+                opt.step()
+            return params
+        finally:
+            replay.ENABLED = old
+
+    for a, b in zip(train(True), train(False)):
+        assert torch.equal(a, b)
+    assert "replayed" in [e[1] for e in cpu_graphs]
