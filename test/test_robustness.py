@@ -252,6 +252,42 @@ def _hogwild_worker(model, opt, which, grads):
         opt.step()
 
 
+class TestReplacedParameterData(expecttest.TestCase):
+    """``p.data = new`` between steps (weight swaps, ``module.to`` on a parameter's data): the next step updates
+    the new storage, and never writes where the parameter used to live (the fused plans hold addresses)."""
+
+    def test_the_step_follows_the_new_storage(self):
+        def run(fused, move):
+            params, opt = make(steps=1, fused=fused)  # planned at the first addresses
+            gen = torch.Generator().manual_seed(1)
+            old, before = [], []
+            for _ in range(2):
+                if move:
+                    old = [p.data for p in params]  # kept alive: the fused step must not write there
+                    before = [x.clone() for x in old]
+                    for p in params:
+                        p.data = p.data.clone()
+                for p in params:
+                    p.grad = torch.randn(p.shape, generator=gen)
+                opt.step()
+            return params, old, before
+
+        for fused in (None, False):
+            moved, old, before = run(fused, move=True)
+            kept, _, _ = run(fused, move=False)
+            for a, b in zip(moved, kept):
+                assert_same_tensor(self, a, b, f"fused={fused}")
+            for x, y in zip(old, before):
+                assert_same_tensor(self, x, y, "an old storage")
+
+    def test_data_of_another_shape_is_refused(self):
+        params, opt = make(steps=1, fused=None)
+        params[0].data = torch.zeros(32, 128)
+        params[0].grad = torch.zeros(32, 128)
+        with self.assertRaisesRegex(RuntimeError, r"shape \(32, 128\) has a state 'exp_avg' of shape \(64, 128\)"):
+            opt.step()
+
+
 class TestSharedMemory(expecttest.TestCase):
     def test_share_memory_of_a_quantized_tensor(self):
         q = DTQ8bitTensor.from_float(torch.randn(1000), signed=True)

@@ -288,17 +288,34 @@ class GroupPlan:
         )
 
 
+def _addresses(params: List[Tensor]) -> tuple:
+    """The data addresses of ``params`` (their local shards' for DTensors): C calls only where it can."""
+    try:
+        return tuple(map(Tensor.data_ptr, params))
+    except RuntimeError:  # a DTensor has no address of its own
+        return tuple(local(p).data_ptr() for p in params)
+
+
 def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Optional[FusedRule],
                interpreter: bool = False, rounding=None) -> Tuple[List[GroupPlan], List[int]]:
     """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
     while the same parameters have gradients under the same rule), and the indexes of the parameters left to
     the compiled path."""
-    if cache.get("params") is params and cache.get("rule") == rule:  # the optimizer's list, unchanged
-        return cache["plans"], cache["rest"]
+    # The plans hold the parameters' addresses: a parameter whose storage was replaced (``p.data = ...``) is
+    # planned again, not written at its old address.
+    addresses = _addresses(params)
+    if cache.get("params") is params and cache.get("rule") == rule and cache.get("addresses") == addresses:
+        return cache["plans"], cache["rest"]  # the optimizer's list, unchanged
     key = (rule,) + tuple(id(p) for p in params)
-    if cache.get("key") == key:
+    if cache.get("key") == key and cache.get("addresses") == addresses:
         cache["params"] = params
         return cache["plans"], cache["rest"]
+    for p, s in zip(params, states):
+        for k in rule.state_keys if rule is not None else ():
+            if k in s and local(s[k]).shape != local(p).shape:
+                raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a state {k!r} of shape "
+                                   f"{tuple(local(s[k]).shape)}: its data was replaced by a tensor of another "
+                                   f"shape after its state was created")
     buckets: Dict[tuple, List[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
@@ -313,5 +330,5 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
              for k, idx in buckets.items()]
     for plan, idx in zip(plans, buckets.values()):  # its parameters' positions in ``params``
         plan.pick = (lambda seq, i=idx[0]: (seq[i],)) if len(idx) == 1 else operator.itemgetter(*idx)
-    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest)
+    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses)
     return plans, rest
