@@ -165,6 +165,13 @@ def test_what_keeps_and_what_drops_a_graph(cpu_graphs, fused):
     # compiled path reads it directly, so its graph is dropped
     params[0].grad = params[0].grad.clone()
     assert step() == ("replayed" if fused is None else "python")
+    if fused is False:  # a state replaced by assignment: the compiled path's graph reads states by address
+        for _ in range(replay.REPEATS + 1):
+            opt.step()
+        assert cpu_graphs[-1][1] == "replayed"
+        state = opt.state[params[0]]
+        state["exp_avg"] = state["exp_avg"].clone()
+        assert step() == "python"
     # a parameter without a gradient is a new list of parameters to step
     params[1].grad = None
     assert step() == "python"

@@ -674,7 +674,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 settings.append((k, v))
         signature = (id(params), tuple(settings), tuple(id(plan) for plan in plans),
                      tuple(plan.grads_aligned for plan in plans),
-                     tuple(p.data_ptr() for p in compiled[0]), tuple(p.grad.data_ptr() for p in compiled[0]))
+                     tuple(p.data_ptr() for p in compiled[0]), tuple(p.grad.data_ptr() for p in compiled[0]),
+                     tuple(map(Tensor.data_ptr, self._group_tensors(group, *compiled))) if compiled[0] else ())
         self._graphs.setdefault(id(group), StepGraph()).run(signature, (params, plans, tensors), work, device)
 
     def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
