@@ -48,7 +48,7 @@ class StepGraph:
         if self.failed or not ENABLED:
             return work()
         if self.graph is not None and signature == self.signature:
-            self.graph.replay()
+            self._replay(device)
             return None
         self.graph = self.signature = self.keep = None  # stale: whatever it captured may have moved
         self.repeats = self.repeats + 1 if signature == self.seen else 1
@@ -59,8 +59,16 @@ class StepGraph:
         if graph is None:
             return work()
         self.graph, self.signature, self.keep = graph, signature, keep
-        graph.replay()
+        self._replay(device)
         return None
+
+    def _replay(self, device: torch.device) -> None:
+        """On the current stream of ``device`` (a graph is launched on the current device's stream)."""
+        if device.index is None or device.index == torch.cuda.current_device():
+            self.graph.replay()
+        else:
+            with torch.cuda.device(device):
+                self.graph.replay()
 
     def _capture(self, work: Callable[[], None], device: torch.device) -> Optional[torch.cuda.CUDAGraph]:
         graph = torch.cuda.CUDAGraph()
