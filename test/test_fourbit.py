@@ -88,6 +88,36 @@ class TestFourBitRank1(StateFormatTestCase):
         self.assertEqual(FourBitRank1Tensor.zeros((1800,), signed=False).rows, 0)
         self.assertEqual(FourBitRank1Tensor.zeros((6, 3, 100), signed=False).absmax.shape, (6 + 300,))
 
+    def test_rank1_row_counts_share_one_compiled_graph(self):
+        # rows travels as a size (row_marks), not a constant: matrices of three row counts (none dividing
+        # another's block count) take one graph after the first two, where a constant took one each
+        from unittest import mock
+
+        from torch._dynamo.utils import counters
+
+        from torchao_optim.optim import compiled as compiled_module
+
+        with mock.patch.object(compiled_module, "BACKEND", "eager"):
+            shapes = [(96, 128), (160, 64), (224, 128), (352, 64), (480, 64)]
+            params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+            opt = torchao_optim.AdamW(params, state_format="4bit_rank1", fused=False, min_quant_size=0)
+            graphs = counters["stats"]["unique_graphs"]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt.step()
+            self.assertEqual([opt.state[p]["exp_avg_sq"].rows for p in params], [s[0] for s in shapes])
+            self.assertLessEqual(counters["stats"]["unique_graphs"] - graphs, 2)
+
+    def test_rank1_loads_the_layout_saved_before_row_marks(self):
+        # checkpoints from before rows was also a size hold codes and absmax, with rows as an attribute
+        q = FourBitRank1Tensor.from_float(torch.rand(6, 300), signed=False)
+        fields = {k: v for k, v in q.fields().items() if k != "row_marks"}
+        old = type(q)(q.shape, q.dtype, **fields, **q.attrs())
+        self.assertEqual(old.rows, 6)
+        self.assertEqual(old.row_marks.shape, (6,))
+        self.assertTrue(torch.equal(old.dequantize(), q.dequantize()))
+        old.check_fields()
+
     def test_rank1_refuses_row_slices_and_bad_rows(self):
         q = FourBitRank1Tensor.from_float(torch.rand(8, 512), signed=False)
         with self.assertRaisesRegex(NotImplementedError, "rows=8"):

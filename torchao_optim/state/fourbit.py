@@ -89,10 +89,38 @@ class FourBitRank1Tensor(FourBitTensor):
     rows of the ``(rows, numel / rows)`` matrix the tensor is read as (its first dimension, taken when the
     tensor is created, so that it survives the flat views the optimizer steps through). With ``rows > 0``,
     ``absmax`` holds ``rows`` row maxima then ``numel / rows`` column maxima (fp32).
+
+    ``rows`` is also held as a size: the field ``row_marks`` is ``rows`` zero bytes. Flattened for
+    ``torch.compile`` the tensor carries ``rows`` that way only, not in its constant attributes, so one
+    compiled graph serves every row count (a model's distinct layer widths would otherwise compile one each).
     """
 
     attr_fields = ("signed", "block_size", "rows")
     row_shardable = False  # a column's maximum spans every rank's rows
+
+    @classmethod
+    def tensor_fields(cls) -> Tuple[str, ...]:
+        return super().tensor_fields() + ("row_marks",)
+
+    def __init__(self, shape, dtype=torch.float32, **fields_and_attrs):
+        if "row_marks" not in fields_and_attrs:  # saved before rows was also a size
+            rows = fields_and_attrs.get("rows") or 0
+            marks = torch.zeros(rows, dtype=torch.uint8, device=fields_and_attrs["codes"].device)
+            fields_and_attrs = dict(fields_and_attrs, row_marks=marks)
+        super().__init__(shape, dtype, **fields_and_attrs)
+
+    def __tensor_flatten__(self):
+        attrs = tuple((k, v) for k, v in self.attrs().items() if k != "rows")
+        return list(self.tensor_fields()), (attrs, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        attrs, dtype = ctx
+        return cls(outer_size, dtype, **inner, **dict(attrs), rows=inner["row_marks"].shape[0])
+
+    @classmethod
+    def layout_of(cls, attrs):
+        return super().layout_of({k: v for k, v in attrs.items() if k != "rows"})
 
     @classmethod
     def _with_rows(cls, shape, attrs):
@@ -130,16 +158,19 @@ class FourBitRank1Tensor(FourBitTensor):
     def quantize_fields(cls, x, **attrs):
         rows = attrs["rows"]
         if not rows:
-            return super().quantize_fields(x, **attrs)
+            return dict(super().quantize_fields(x, **attrs), row_marks=x.new_zeros(0, dtype=torch.uint8))
         layout = cls.layout_of(attrs)
-        matrix = x.reshape(rows, -1).float()  # (rows, cols)
+        # through the flat shape: reshaping the optimizer's (blocks, block_size) view straight to (rows, cols)
+        # would guard on how the two divide, and compile a graph per row count after all
+        matrix = x.reshape(-1).view(rows, -1).float()  # (rows, cols)
         finite = torch.where(torch.isfinite(matrix), matrix.abs(), 0.0)
         row_max, col_max = finite.amax(dim=1), finite.amax(dim=0)  # (rows,), (cols,)
         scale = torch.minimum(row_max[:, None], col_max[None, :])  # (rows, cols)
         y = matrix * (1.0 / torch.where(scale > 0, scale, 1.0))
         y = torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0).reshape(-1)
         codes = quantize_nearest(y, layout.codebook, layout.never_zero)
-        return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max])}
+        return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max]),
+                "row_marks": x.new_zeros(rows, dtype=torch.uint8)}
 
     @classmethod
     def zeros_fields(cls, shape, device, **attrs):
@@ -147,6 +178,7 @@ class FourBitRank1Tensor(FourBitTensor):
         rows = attrs["rows"]
         if rows:
             fields["absmax"] = torch.zeros(rows + torch.Size(shape).numel() // rows, device=device)
+        fields["row_marks"] = torch.zeros(rows, dtype=torch.uint8, device=device)
         return fields
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -158,7 +190,7 @@ class FourBitRank1Tensor(FourBitTensor):
         values = codebook_tensor(layout.codebook, self.codes)[codes].view(self.rows, -1)  # (rows, cols)
         row_max, col_max = self.absmax[: self.rows], self.absmax[self.rows :]
         scale = torch.minimum(row_max[:, None], col_max[None, :])
-        return (values * scale).reshape(self.shape).to(dtype or self.dtype)
+        return (values * scale).view(-1).view(self.shape).to(dtype or self.dtype)
 
 
 @FourBitRank1Tensor.implements_op([aten.slice.Tensor])
