@@ -20,7 +20,7 @@ from torch import Tensor
 from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.fused import FusedRule, fused_available, plan_group
+from torchao_optim.optim.fused import _GRAD, FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
@@ -33,7 +33,7 @@ from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
 
-_GRAD, _LAYOUT = operator.attrgetter("grad"), operator.attrgetter("layout")
+_LAYOUT = operator.attrgetter("layout")
 _IS_NONE = functools.partial(operator.is_, None)
 _STRIDED = functools.partial(operator.is_, torch.strided)
 
@@ -672,10 +672,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
             elif k != "params" and not (id(v) in data or isinstance(v, tuple) and v
                                         and all(id(x) in data for x in v)):
                 settings.append((k, v))
+        if compiled[0]:  # what the compiled path's kernels read by address: parameters, gradients, states
+            if addresses is None:
+                addresses = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
+            read = (tuple(map(Tensor.data_ptr, compiled[0])), tuple(addresses[i] for i in rest),
+                    tuple(map(Tensor.data_ptr, self._group_tensors(group, *compiled))))
+        else:
+            read = ()
         signature = (id(params), tuple(settings), tuple(id(plan) for plan in plans),
-                     tuple(plan.grads_aligned for plan in plans),
-                     tuple(p.data_ptr() for p in compiled[0]), tuple(p.grad.data_ptr() for p in compiled[0]),
-                     tuple(map(Tensor.data_ptr, self._group_tensors(group, *compiled))) if compiled[0] else ())
+                     tuple(plan.grads_aligned for plan in plans), read)
         self._graphs.setdefault(id(group), StepGraph()).run(signature, (params, plans, tensors), work, device)
 
     def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
