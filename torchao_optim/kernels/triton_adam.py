@@ -2,10 +2,11 @@
 
 A plan's tensors share a device, param and grad dtypes and a state layout per moment (8- or 4-bit codes of
 one codebook, or plain fp32). ``adam_kernel`` takes a table of pointers (one row per tensor) and a map from
-program to (tensor, first block); each program walks ``ITERS`` consecutive quantization blocks of its tensor,
-one ``BLOCK``-element register tile at a time, reading the parameter, the gradient and both states once and
-writing them once. With ``PREFETCH`` the loads of the next block are issued before the current block is
-computed, so a program keeps memory requests in flight while it decodes, updates and encodes. How a state is
+program to (tensor, first tile); each program walks ``ITERS`` consecutive ``BLOCK``-element register tiles of
+its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one for 8-bit blocks of 256, two for 4-bit blocks
+of 128: fixed costs per tile, the loop's and the reductions', are shared by 8 elements per thread), reading
+the parameter, the gradient and both states once and writing them once. With ``PREFETCH`` the loads of the
+next tile are issued before the current tile is computed, so a program keeps memory requests in flight while it decodes, updates and encodes. How a state is
 read and written is ``triton_codec``'s, specialized by constexpr: the kernel knows no format.
 
 The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s. ``adam_coefs_kernel`` advances the step
@@ -93,30 +94,29 @@ def _round_key(round_info, steps, t, SR: tl.constexpr):
 def _codes_pointer(address, QUANT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr):
     """A state's codes (uint8) or plain values (fp32) as a typed pointer, declared 16-byte aligned where the plan's
     addresses are (``ALIGNED``). The hint is set here, on the cast itself: a hint on the value this function
-    returns would be lost when the call is inlined. 4-bit codes are left undeclared, so they move a byte per lane:
-    measured faster than two bytes per lane (TinyLlama fp32 4-bit step 6.7 ms against 7.3-7.5 ms, stalled on
-    loads; benchmarks/README.md, 2026-12-01)."""
+    returns would be lost when the call is inlined. With it, a thread's 4-bit codes are the bytes of its own
+    elements, loaded as one vector (without it, a byte per lane and a shuffle into place)."""
     if QUANT:
         ptr = address.to(tl.pointer_type(tl.uint8))
     else:
         ptr = address.to(tl.pointer_type(tl.float32))
-    if ALIGNED and BITS == 8:
+    if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr
 
 
 @triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-               BLOCK: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+               QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
-    """The raw inputs of block ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
-    and scale (or fp32 values)."""
+    """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
+    and scales (or fp32 values)."""
     start = blk * BLOCK
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0)
     g = tl.load(g_base + start + local, mask=valid, other=0.0)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, BLOCK)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, BLOCK)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC)
     return p, g, m_raw, m_scale, v_raw, v_scale
 
 
@@ -131,7 +131,8 @@ def _load_coefs(c):
 @triton.jit
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                 PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  FAST_DIV: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
@@ -140,8 +141,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
     p = p.to(tl.float32)
     g = g.to(tl.float32)
-    m = load_state(m_raw, m_scale, m_values, M_QUANT)
-    v = load_state(v_raw, v_scale, v_values, V_QUANT)
+    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK)
+    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK)
 
     if MAXIMIZE:
         g = -g
@@ -171,8 +172,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, BLOCK)
-    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, BLOCK)
+    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC)
+    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC)
 
 
 @triton.jit
@@ -182,12 +183,13 @@ def adam_kernel(
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
-    prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
+    prog_block,  # int32 (n_programs,): its first tile; a program updates ITERS consecutive tiles
     steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level2 with bounds)
+    m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level1 by bits, level2 keyed)
     v_values, v_level1, v_level2,  # exp_avg_sq's
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     FAST_DIV: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
@@ -199,7 +201,7 @@ def adam_kernel(
     key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
-    # the program's tiles: n_full whole blocks, then at most one partial block (a tensor's last)
+    # the program's tiles: n_full whole tiles, then at most one partial tile (a tensor's last)
     n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)
     has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
     local = tile_offsets(BLOCK, VEC)  # offsets inside the tile: constants per thread
@@ -213,25 +215,25 @@ def adam_kernel(
     # stay vectors.
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
     if has_tail:
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          BLOCK, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, BLOCK, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)

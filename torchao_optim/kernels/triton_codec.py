@@ -20,19 +20,15 @@ def encode(y, level1, level2):
     """Codes (int32) of ``y`` (fp32 in [-1, 1], no NaN): torchao_optim.quant.codec.encode, in Triton.
 
     ``level1`` is ``BucketTables.level1_by_bits()`` (indexed by the sign and exponent bits as they are) and
-    ``level2`` is ``BucketTables.level2_with_bounds()``: the candidate and where in the bucket the code
-    switches, in one 4-byte load. The switch is decided on the low mantissa bits, which are those of
-    ``|y|``: the code is ``candidate + 1`` when they reach the switch point for ``y >= 0``, and when they
-    do not for ``y < 0``, that is ``candidate + ((low >= low_plus) xor (y < 0))``.
+    ``level2`` is ``BucketTables.level2_keyed()``: the candidate code and the key from which the code is one
+    more, in one 4-byte load. The key is ``y``'s mantissa with its bits flipped for ``y < 0`` (one
+    exclusive-or with the sign spread over the word), so one unsigned comparison decides for both signs.
     """
     bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
-    top = (bits >> 23) & 511  # sign and exponent
-    entry = tl.load(level1 + top)
-    shift = entry & 31
-    packed = tl.load(level2 + (entry >> 5) + ((bits & 0x7FFFFF) >> shift))
-    low = bits & ((1 << shift) - 1)
-    up = (low >= ((packed >> 8) & 0xFFFFFF)).to(tl.int32) ^ (top >> 8)
-    return (packed & 255) + up
+    entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
+    key = (bits ^ (bits >> 31)) & 0x7FFFFF
+    packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31)))).to(tl.uint32, bitcast=True)
+    return (packed >> 24).to(tl.int32) + (key >= (packed & 0xFFFFFF).to(tl.int32)).to(tl.int32)
 
 
 @triton.jit
@@ -51,50 +47,76 @@ def tile_offsets(N: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
+def _by_block(x, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    """A (BLOCK,) tile as (BLOCK // QBLOCK, QBLOCK): one row per quantization block. In the tile's layout a
+    thread's elements are runs inside one row, so this moves no data."""
+    return tl.reshape(x, (BLOCK // QBLOCK, QBLOCK))
+
+
+@triton.jit
 def load_codes(codes, scales, start, blk, local, n_valid,
-               QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """The raw contents of one state on the tile: ``local`` (BLOCK,) offsets from element ``start``, which
-    opens block ``blk``, of which the first ``n_valid`` exist. Returns (codes as int32, the block's scale),
-    or (fp32 values, 0.0) for a plain state. ``codes``/``scales`` are the addresses from the pointer table.
-    Loading is split from decoding (:func:`load_state`) so a kernel can issue the next tile's loads before it
-    computes this one. Masks are ``offset < n_valid``: when ``n_valid`` is the whole tile or nothing, they
-    are one predicate for the tile and the loads stay vectors."""
+               QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The raw contents of one state on tile ``blk``: ``local`` (BLOCK,) offsets from element ``start``, of
+    which the first ``n_valid`` exist; the tile holds ``BLOCK // QBLOCK`` quantization blocks. Returns (the code
+    bytes as loaded, the blocks' scales: a scalar for one block, else one per block), or (fp32 values, 0.0)
+    for a plain state. ``codes``/``scales`` are the addresses from the pointer table; ``local`` is
+    ``tile_offsets(BLOCK, VEC)``. Loading is split from decoding (:func:`load_state`) so a kernel can issue
+    the next tile's loads before it computes this one; nothing here reads the loaded bytes, so nothing waits
+    for them before the tile is decoded. Masks are
+    ``offset < n_valid``: when ``n_valid`` is the whole tile or nothing, they are one predicate for the tile
+    and the loads stay vectors."""
     if QUANT:
         if BITS == 8:
-            code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid,
-                           other=0).to(tl.int32)
-        else:  # element 2i in the low nibble of byte i, 2i + 1 in the high one
-            half = tl.arange(0, BLOCK // 2)
-            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid,
-                           other=0).to(tl.int32)
-            code = tl.interleave(byte & 15, byte >> 4)
-        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
-        return code, scale
+            raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
+        else:  # BLOCK // 2 bytes: element 2i in the low nibble of byte i, 2i + 1 in the high one
+            half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
+            raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
+        scales = scales.to(tl.pointer_type(tl.float32))
+        if QBLOCK == BLOCK:
+            scale = tl.load(scales + blk, mask=n_valid > 0, other=0.0)
+        else:
+            row = tl.arange(0, BLOCK // QBLOCK)
+            scale = tl.load(scales + blk * (BLOCK // QBLOCK) + row, mask=row * QBLOCK < n_valid, other=0.0)
+        return raw, scale
     else:
         return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=local < n_valid, other=0.0), 0.0
 
 
 @triton.jit
-def load_state(raw, scale, values, QUANT: tl.constexpr):
+def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
+               BLOCK: tl.constexpr):
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element."""
     if QUANT:
-        return tl.load(values + raw) * scale
+        if BITS == 8:
+            code = raw.to(tl.int32)
+        else:
+            code = tl.interleave(raw & 15, raw >> 4).to(tl.int32)
+        x = tl.load(values + code)
+        if QBLOCK == BLOCK:
+            return x * scale
+        return tl.reshape(_by_block(x, QBLOCK, BLOCK) * scale[:, None], (BLOCK,))
     else:
         return raw
 
 
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
-                QUANT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Write ``x`` (BLOCK fp32: quantization block ``blk`` from element ``start``; the first ``n_valid``
-    exist) back: the block's absmax and the codes of ``x * (1 / absmax)``, or the plain values. ``x`` is
-    finite: the update never produces a non-finite state (it skips such elements), so the compiled path's
-    finiteness masks change nothing here."""
+                QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                VEC: tl.constexpr):
+    """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
+    the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
+    the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
+    so the compiled path's finiteness masks change nothing here."""
     mask = local < n_valid
     if QUANT:
-        absmax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
-        inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
-        y = x * inv
+        magnitude = tl.where(mask, tl.abs(x), 0.0)
+        if QBLOCK == BLOCK:
+            absmax = tl.max(magnitude, axis=0)
+            y = x * tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
+        else:
+            absmax = tl.max(_by_block(magnitude, QBLOCK, BLOCK), axis=1)
+            inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
+            y = tl.reshape(_by_block(x, QBLOCK, BLOCK) * inv[:, None], (BLOCK,))
         # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
         # top code: no clamp needed
         code = encode(y, level1, level2)
@@ -103,10 +125,17 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         else:
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
-            half = tl.arange(0, BLOCK // 2)
+            half = tile_offsets(BLOCK // 2, VEC // 2)
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
                      mask=2 * half < n_valid)
-        tl.store(scales.to(tl.pointer_type(tl.float32)) + blk, absmax)
+        scales = scales.to(tl.pointer_type(tl.float32))
+        if QBLOCK == BLOCK:
+            tl.store(scales + blk, absmax)
+        else:  # one scalar store per block: every thread holds every block's absmax, so no data moves
+            rows = tl.arange(0, BLOCK // QBLOCK)
+            for r in tl.static_range(BLOCK // QBLOCK):
+                tl.store(scales + blk * (BLOCK // QBLOCK) + r, tl.sum(tl.where(rows == r, absmax, 0.0), axis=0),
+                         mask=r * QBLOCK < n_valid)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)
 
@@ -127,7 +156,7 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False):
     from torchao_optim.quant import bucket_tables
 
     tables = bucket_tables(tuple(codebook), never_zero)
-    level1, level2 = tables.level1_by_bits().to(y.device), tables.level2_with_bounds().to(y.device)
+    level1, level2 = tables.level1_by_bits().to(y.device), tables.level2_keyed().to(y.device)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block)

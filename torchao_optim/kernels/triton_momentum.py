@@ -26,16 +26,17 @@ RULES = {"sgd": 0, "lion": 1}
 
 @triton.jit
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
-                   PARAM_DTYPE: tl.constexpr, BLOCK: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr,
-                   MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
-    """The update of block ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
+                   PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                   RULE: tl.constexpr,
+                   NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
+    """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
     valid = local < n_valid
     p = tl.load(p_base + start + local, mask=valid, other=0.0).to(tl.float32)
     g = tl.load(g_base + start + local, mask=valid, other=0.0).to(tl.float32)
-    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, BLOCK)
-    s = load_state(raw, scale, s_values, S_QUANT)
+    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC)
+    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK)
     c0, c1, c2, c3 = coefs
 
     if MAXIMIZE:
@@ -61,7 +62,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, BLOCK)
+    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC)
 
 
 @triton.jit
@@ -71,11 +72,12 @@ def momentum_kernel(
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
-    prog_block,  # int32 (n_programs,): its first block; a program updates ITERS consecutive blocks
+    prog_block,  # int32 (n_programs,): its first tile; a program updates ITERS consecutive tiles
     steps,  # fp32 (n_tensors,): the step counts, already advanced
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level2 with bounds)
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
+    s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
+    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    ITERS: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
 ):
@@ -87,7 +89,7 @@ def momentum_kernel(
     key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
-    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole blocks, then at most one partial
+    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole tiles, then at most one partial
     has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
     local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
@@ -98,11 +100,11 @@ def momentum_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, BLOCK, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
@@ -121,7 +123,8 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
     plan.compiled = momentum_kernel[(plan.n_programs,)](
         plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.steps,
         plan.round_info, *plan.tables,
-        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, BLOCK=plan.block, VEC=plan.vec, ITERS=plan.iters,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
+        ITERS=plan.iters,
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),

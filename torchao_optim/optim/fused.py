@@ -34,11 +34,12 @@ from torchao_optim.quant import bucket_tables
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
 _GRAD = operator.attrgetter("grad")
-ITERS = 8  # quantization blocks per program, walked one register tile at a time
+ITERS = 8  # register tiles per program, walked one at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
 NUM_WARPS = 1  # one warp per 256-element block: its absmax is a warp reduction, no shared memory
 MAXNREG = None  # a register cap per thread for the update kernel (None: the compiler's choice)
-FP32_BLOCK = 256  # elements per tile when neither state is quantized
+FP32_BLOCK = 256  # elements per block when neither state is quantized
+MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
 
 
@@ -135,12 +136,13 @@ def _fields(state, layout) -> Tuple[int, int]:
     return getattr(state, layout.codes).data_ptr(), getattr(state, layout.scales).data_ptr()
 
 
-def _tables(layout, device) -> Tuple[Tensor, ...]:
-    """(decode values, level1, level2 with bounds) of a layout's codebook on ``device``; placeholders for fp32."""
+def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
+    """(decode values, level1, level2) of a layout's codebook on ``device``, in the form ``executor``'s kernels
+    read; placeholders for fp32."""
     if layout == "fp32":
         placeholder = _placeholder(device)
         return (placeholder,) * 3
-    return (_decode_table(layout, device),) + _kernel_tables(layout, device)
+    return (_decode_table(layout, device),) + _kernel_tables(layout, device, executor)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,10 +155,12 @@ def _decode_table(layout, device) -> Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_tables(layout, device) -> Tuple[Tensor, Tensor]:
-    """The encoder's tables in the kernels' form (codec.BucketTables.level1_by_bits, level2_with_bounds)."""
+def _kernel_tables(layout, device, executor: str) -> Tuple[Tensor, Tensor]:
+    """The encoder's tables in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits, and
+    level2_keyed (Triton) or level2_with_bounds (the C step)."""
     t = bucket_tables(layout.codebook, layout.never_zero)
-    return t.level1_by_bits().to(device), t.level2_with_bounds().to(device)
+    level2 = t.level2_keyed() if executor == "triton" else t.level2_with_bounds()
+    return t.level1_by_bits().to(device), level2.to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,8 +179,11 @@ class GroupPlan:
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
         shards = [local(p) for p in params]
         self.sharded = any(s is not p for s, p in zip(shards, params))
-        # NUM_WARPS per 256 elements of a block: larger blocks get more threads, not more registers per thread
-        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.block // 256)
+        # A register tile: one quantization block, or several small ones (the kernel's fixed costs per tile, its loop
+        # and the absmax reductions, are then shared by more elements). NUM_WARPS per 256 elements of a tile: larger
+        # blocks get more threads, not more registers per thread.
+        self.tile = max(self.block, MIN_TILE)
+        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.tile // 256)
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
                                   for x in _fields(s[k], layout)] for p, s in zip(shards, states)]
@@ -189,13 +196,13 @@ class GroupPlan:
         self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
         self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
-        span = self.block * self.iters  # elements per program
+        span = self.tile * self.iters  # elements per program
         programs = (numels + span - 1) // span
         self.n_programs = int(programs.sum())
         starts = torch.cumsum(programs, 0) - programs
         self.prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs).to(device)
         prog_block = (torch.arange(self.n_programs, dtype=torch.int64) - torch.repeat_interleave(starts, programs))
-        self.prog_block = (prog_block * self.iters).to(torch.int32).to(device)  # first block of each program
+        self.prog_block = (prog_block * self.iters).to(torch.int32).to(device)  # first tile of each program
         self.numels = numels.to(device)
         # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
         # executor advances each state's own counter instead (a few microseconds there), so that a state shared
@@ -206,7 +213,7 @@ class GroupPlan:
             for i, s in enumerate(states):
                 s["step"] = _alias0d(self.steps, i)
         self.coefs = torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device)
-        self.tables = sum((_tables(layout, device) for layout in self.layouts), ())
+        self.tables = sum((_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -278,7 +285,8 @@ class GroupPlan:
         self.compiled = adam_kernel[(self.n_programs,)](
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.steps,
             self.round_info, *self.tables,
-            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, BLOCK=self.block, VEC=self.vec, ITERS=self.iters,
+            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
+            ITERS=self.iters,
             PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, FAST_DIV=not _interpreter(),
             SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,

@@ -74,7 +74,8 @@ class BucketTables:
     ``level1``: int32 (256,), index ``128 * (y < 0) + exponent``, entry ``(offset << 5) | shift``;
     ``level2``: uint8, the candidate code of each bucket; ``bounds``: fp32 (256,), ``B`` padded with +inf;
     ``level1_bits`` and ``level2_packed``: the same tables in the two-load form :func:`encode` and the fused
-    kernels read (:meth:`level1_by_bits`, :meth:`level2_with_bounds`).
+    CPU step read (:meth:`level1_by_bits`, :meth:`level2_with_bounds`); the fused CUDA kernels read
+    ``level1_bits`` and :meth:`level2_keyed`, the same codes again.
     """
 
     level1: torch.Tensor
@@ -95,6 +96,15 @@ class BucketTables:
         (``low_plus`` is one more than the low bits of the bucket's boundary, or a value that never switches).
         One 4-byte load where ``level2`` and ``bounds`` make two; same data, same codes."""
         return self.level2_packed
+
+    def level2_keyed(self) -> torch.Tensor:
+        """:meth:`level2_with_bounds` rearranged for an encoder that compares whole mantissas, with the same codes:
+        int32 per bucket, ``(candidate << 24) | threshold``, indexed by ``offset + (key >> shift)`` where ``key``
+        is the mantissa of ``y`` (23 bits), with every bit flipped for ``y < 0``. The code is ``candidate + (key
+        >= threshold)`` for both signs: flipping the bits reverses the order of a negative slice's buckets and of
+        the mantissas inside each bucket, so "the low bits are below the switch point" becomes "the flipped key
+        reaches the mirrored point". Saves the encoder the low-bit mask and the sign test."""
+        return _level2_keyed(self.level1, self.level2_packed)
 
     def to(self, device) -> "BucketTables":
         return BucketTables(*(t.to(device) for t in (self.level1, self.level2, self.bounds, self.level1_bits,
@@ -129,6 +139,25 @@ def _level2_with_bounds(level1: torch.Tensor, level2: torch.Tensor, bounds: torc
             else:  # y > b  <=>  |y| > |b|, for b >= 0 inside the bucket; else never
                 low_plus = torch.where(inside & (bound >= 0), bmag - base + 1, 1 << shift)
             out[offset : offset + n] = (low_plus << 8) | code
+    return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
+
+
+def _level2_keyed(level1: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    level1, packed = level1.to(torch.int64).cpu(), packed.to(torch.int64).cpu() & 0xFFFFFFFF
+    out = torch.empty_like(packed)
+    for negative in (0, 1):
+        for exponent in range(128):
+            entry = int(level1[128 * negative + exponent])
+            offset, shift = entry >> _SHIFT_BITS, entry & 31
+            n = 1 << (_MANTISSA_BITS - shift)
+            entries = packed[offset : offset + n]
+            candidate, low_plus = entries & 255, (entries >> 8) & 0xFFFFFF
+            bucket = torch.arange(n, dtype=torch.int64)
+            if negative:  # key = mantissa ^ 0x7FFFFF: bucket n-1-b, low bits (1 << shift) - 1 - low
+                key_bucket, threshold = n - 1 - bucket, (1 << shift) - low_plus
+            else:
+                key_bucket, threshold = bucket, low_plus
+            out[offset + key_bucket] = (candidate << 24) | ((key_bucket << shift) + threshold)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
