@@ -1,7 +1,8 @@
 """Optimizer-step benchmark: our formats against torch AdamW (fused, foreach), bitsandbytes and torchao.
 
 For each parameter geometry and dtype it measures, for every optimizer in one run:
-- the step time (median after warm-up; CUDA events on a GPU, wall clock on a CPU),
+- the step time (median after warm-up: ``--warmup`` steps, then on a GPU ``WARM_S`` seconds of steps, the time an
+  idle GPU's clocks take to rise; CUDA events on a GPU, wall clock on a CPU),
 - the first step (compile included; caches are cold unless --warm-cache),
 - the step time when the learning rate changes every step (as a Python float, like a scheduler),
 - optimizer-state bytes per parameter and the step's transient peak memory (CUDA),
@@ -109,18 +110,26 @@ def copy_bandwidth(device: str) -> float:
     return 2 * 4 * n / statistics.median(times[2:])
 
 
+WARM_S = 0.3  # seconds of steps before each optimizer's timed ones, on a GPU
+
+
 def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
     torch._dynamo.reset()
-    gen = torch.Generator(device="cpu").manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)  # drawn where they live: a 1.1B-parameter set in a second
     params = []
     for s in shapes:
-        p = torch.nn.Parameter(torch.randn(s, generator=gen).to(device=device, dtype=dtype) * 0.02)
-        p.grad = (torch.randn(s, generator=gen) * 1e-3).to(device=device, dtype=dtype)
+        p = torch.nn.Parameter((torch.randn(s, generator=gen, device=device) * 0.02).to(dtype))
+        p.grad = (torch.randn(s, generator=gen, device=device) * 1e-3).to(dtype)
         params.append(p)
     opt = optimizers.build(name, params)
     first = optimizers.wall_time(opt.step, device)
     for _ in range(warmup):
         opt.step()
+    if device == "cuda":  # then for WARM_S of steps: an idle GPU's clocks take that long to rise under load
+        end = time.perf_counter() + WARM_S
+        while time.perf_counter() < end:
+            opt.step()
+            torch.cuda.synchronize()
     times = [optimizers.time_call(opt.step, device) for _ in range(steps)]
 
     def step_new_lr(i=[0]):
