@@ -1,0 +1,106 @@
+"""Count the instructions of the fused Adam kernel's loop, without a GPU.
+
+Compiles ``adam_kernel`` for one configuration to SASS for a chosen architecture (default sm_90, the H100/H200)
+with the installed Triton and its bundled ``nvdisasm``, finds the kernel's main loop (its longest backward branch)
+and prints the loop's length, its instructions per element (the loop walks one tile: ``BLOCK / (32 *
+num_warps)`` elements per thread), the registers per thread and a count by opcode. The fused step is bound by
+issuing instructions (docs/performance.md), so this is the first figure to look at when changing the kernel;
+it needs Triton with its CUDA backend but no driver and no device.
+
+    python benchmarks/count_instructions.py                          # dtq8-like: 8-bit codes, fp32 params
+    python benchmarks/count_instructions.py --bits 4 --block 128 --dtype bf16
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from torchao_optim.kernels.triton_adam import adam_kernel
+    from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH
+
+    param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
+    signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
+                 "prog_block": "*i32", "steps": "*fp32", "round_info": "*i64",
+                 "m_values": "*fp32", "m_level1": "*i32", "m_level2": "*i32",
+                 "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
+    constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
+                     VEC=16 // (4 if dtype == "fp32" else 2), ITERS=ITERS, PREFETCH=PREFETCH, ALIGNED=True,
+                     DECOUPLED=True, MAXIMIZE=False, FAST_DIV=True, SR=False,
+                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits)
+    signature.update({name: "constexpr" for name in constants})
+    names = adam_kernel.arg_names
+    source = ASTSource(fn=adam_kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    return compiled, max(block, MIN_TILE) // (32 * num_warps)
+
+
+def _tool(name: str, cubin: bytes, *flags: str) -> str:
+    """The output of one of the CUDA binary tools Triton bundles, run on ``cubin``."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([tool, *flags, f.name], capture_output=True, text=True, check=True).stdout
+
+
+def main_loop(sass: str):
+    """The instructions between the target and the source of the longest backward branch."""
+    labels, instructions, pending = {}, [], []
+    for line in sass.splitlines():
+        label = re.match(r"^\.(L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        ins = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if ins:
+            address = int(ins.group(1), 16)
+            instructions.append((address, ins.group(2)))
+            labels.update({name: address for name in pending})
+            pending = []
+    loops = [(labels[m.group(1)], a) for a, text in instructions
+             for m in [re.search(r"BRA.*?\(\.(L_x_\d+)\)", text)] if m and labels[m.group(1)] < a]
+    if not loops:
+        raise RuntimeError("no loop found in the kernel's SASS")
+    start, end = max(loops, key=lambda x: x[1] - x[0])
+    return [text for a, text in instructions if start <= a <= end]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter and gradient dtype")
+    ap.add_argument("--bits", type=int, default=8, choices=[8, 4], help="bits per code, both states")
+    ap.add_argument("--block", type=int, default=256, help="quantization block size")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90")
+    ap.add_argument("--warps", type=int, default=1)
+    args = ap.parse_args()
+    compiled, per_thread = compile_adam(args.dtype, args.bits, args.block, args.arch, args.warps)
+    cubin = compiled.asm["cubin"]
+    loop = main_loop(_tool("nvdisasm", cubin, "-c"))
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
+    opcodes = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in loop)
+    print(f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
+          f"{usage.group(1)} registers, {usage.group(2)} bytes of stack")
+    print(f"main loop: {len(loop)} instructions for {per_thread} elements per thread, "
+          f"{len(loop) / per_thread:.1f} per element")
+    print("by opcode:", ", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
+
+
+if __name__ == "__main__":
+    main()
