@@ -5,7 +5,8 @@ with the installed Triton and its bundled ``nvdisasm``, finds the kernel's main 
 and prints the loop's length, its instructions per element (the loop walks one tile: ``BLOCK / (32 *
 num_warps)`` elements per thread), the registers per thread and a count by opcode. The fused step is bound by
 issuing instructions (docs/performance.md), so this is the first figure to look at when changing the kernel;
-it needs Triton with its CUDA backend but no driver and no device.
+it needs Triton with its CUDA backend but no driver and no device, and Triton's interpreter off (``TRITON_INTERPRET``
+unset: the interpreter never compiles).
 
     python benchmarks/count_instructions.py                          # dtq8-like: 8-bit codes, fp32 params
     python benchmarks/count_instructions.py --bits 4 --block 128 --dtype bf16
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -82,6 +84,17 @@ def main_loop(sass: str):
     return [text for a, text in instructions if start <= a <= end]
 
 
+def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1) -> dict:
+    """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack."""
+    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps)
+    cubin = compiled.asm["cubin"]
+    loop = main_loop(_tool("nvdisasm", cubin, "-c"))
+    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
+    opcodes = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in loop)
+    return dict(instructions=len(loop), per_thread=per_thread, per_element=len(loop) / per_thread,
+                opcodes=opcodes, registers=int(usage.group(1)), stack_bytes=int(usage.group(2)))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter and gradient dtype")
@@ -89,17 +102,17 @@ def main():
     ap.add_argument("--block", type=int, default=256, help="quantization block size")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90")
     ap.add_argument("--warps", type=int, default=1)
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
-    compiled, per_thread = compile_adam(args.dtype, args.bits, args.block, args.arch, args.warps)
-    cubin = compiled.asm["cubin"]
-    loop = main_loop(_tool("nvdisasm", cubin, "-c"))
-    usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
-    opcodes = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in loop)
+    c = count(args.dtype, args.bits, args.block, args.arch, args.warps)
+    if args.json:
+        print(json.dumps(c))
+        return
     print(f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
-          f"{usage.group(1)} registers, {usage.group(2)} bytes of stack")
-    print(f"main loop: {len(loop)} instructions for {per_thread} elements per thread, "
-          f"{len(loop) / per_thread:.1f} per element")
-    print("by opcode:", ", ".join(f"{op} {n}" for op, n in opcodes.most_common()))
+          f"{c['registers']} registers, {c['stack_bytes']} bytes of stack")
+    print(f"main loop: {c['instructions']} instructions for {c['per_thread']} elements per thread, "
+          f"{c['per_element']:.1f} per element")
+    print("by opcode:", ", ".join(f"{op} {n}" for op, n in c["opcodes"].most_common()))
 
 
 if __name__ == "__main__":

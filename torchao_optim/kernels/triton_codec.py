@@ -93,8 +93,10 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
             code = tl.interleave(raw & 15, raw >> 4).to(tl.int32)
         x = tl.load(values + code)
         if QBLOCK == BLOCK:
-            return x * scale
-        return tl.reshape(_by_block(x, QBLOCK, BLOCK) * scale[:, None], (BLOCK,))
+            x = x * scale
+        else:  # (an early return would not spare this branch's compilation for a scalar scale)
+            x = tl.reshape(_by_block(x, QBLOCK, BLOCK) * scale[:, None], (BLOCK,))
+        return x
     else:
         return raw
 
