@@ -26,7 +26,7 @@ fi
 if has ncu && command -v ncu >/dev/null; then
     # launch 4 is the third step's large quantized plan on TinyLlama (each step launches the quantized plan
     # and the plain-state plan of the norm weights)
-    ncu --kernel-name adam_kernel --launch-skip 4 --launch-count 1 --section SpeedOfLight --section Occupancy \
+    ncu --clock-control none --kernel-name adam_kernel --launch-skip 4 --launch-count 1 --section SpeedOfLight --section Occupancy \
         --section LaunchStats --section InstructionStats python benchmarks/tune_fused.py --geometry llama_1b \
         --iters 8 --prefetch 1 --warps 1 --steps 2 > "$OUT/ncu.txt" 2>&1
     grep -E "DRAM Throughput|Duration|Compute \(SM\)|Registers Per|Theoretical Occ|Achieved Occ|Issued Instructions  " \
