@@ -6,8 +6,9 @@ program to (tensor, first tile); each program walks ``ITERS`` consecutive ``BLOC
 its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one for 8-bit blocks of 256, two for 4-bit blocks
 of 128: fixed costs per tile, the loop's and the reductions', are shared by 8 elements per thread), reading
 the parameter, the gradient and both states once and writing them once. With ``PREFETCH`` the loads of the
-next tile are issued before the current tile is computed, so a program keeps memory requests in flight while it decodes, updates and encodes. How a state is
-read and written is ``triton_codec``'s, specialized by constexpr: the kernel knows no format.
+next tile are issued before the current tile is computed, so a program keeps memory requests in flight while it
+decodes, updates and encodes. How a state is read and written is ``triton_codec``'s, specialized by constexpr:
+the kernel knows no format.
 
 The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s. ``adam_coefs_kernel`` advances the step
 counts and computes the per-tensor coefficients of :func:`torchao_optim.optim.update.adam_coefficients` in
@@ -107,8 +108,8 @@ def _codes_pointer(address, QUANT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl
 
 @triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-               QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
-               V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+               QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr,
+               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scales (or fp32 values)."""
     start = blk * BLOCK
@@ -228,7 +229,8 @@ def adam_kernel(
                               QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT,
+                     V_BITS)
     if has_tail:
         blk = first + n_full
         n_valid = numel - blk * BLOCK
@@ -236,4 +238,5 @@ def adam_kernel(
                           QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT,
+                     V_BITS)

@@ -62,9 +62,8 @@ def load_codes(codes, scales, start, blk, local, n_valid,
     for a plain state. ``codes``/``scales`` are the addresses from the pointer table; ``local`` is
     ``tile_offsets(BLOCK, VEC)``. Loading is split from decoding (:func:`load_state`) so a kernel can issue
     the next tile's loads before it computes this one; nothing here reads the loaded bytes, so nothing waits
-    for them before the tile is decoded. Masks are
-    ``offset < n_valid``: when ``n_valid`` is the whole tile or nothing, they are one predicate for the tile
-    and the loads stay vectors."""
+    for them before the tile is decoded. Masks are ``offset < n_valid``: when ``n_valid`` is the whole tile or
+    nothing, they are one predicate for the tile and the loads stay vectors."""
     if QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)

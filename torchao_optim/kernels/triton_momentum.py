@@ -27,8 +27,8 @@ RULES = {"sgd": 0, "lion": 1}
 @triton.jit
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                   RULE: tl.constexpr,
-                   NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr, S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
+                   RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
+                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
@@ -104,7 +104,8 @@ def momentum_kernel(
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
+                       S_BITS)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
