@@ -87,6 +87,12 @@ class TestFourBitRank1(StateFormatTestCase):
         self.assertEqual(FourBitRank1Tensor.from_float(x, signed=True).rows, 0)
         self.assertEqual(FourBitRank1Tensor.zeros((1800,), signed=False).rows, 0)
         self.assertEqual(FourBitRank1Tensor.zeros((6, 3, 100), signed=False).absmax.shape, (6 + 300,))
+        # leading dimensions of one are no rows: (1, 6, 300) is 6 rows of 300, (1, 1800) a vector (blockwise: as
+        # one row it would keep a scale per element)
+        self.assertEqual(FourBitRank1Tensor.zeros((1, 6, 300), signed=False).absmax.shape, (6 + 300,))
+        vector = FourBitRank1Tensor.from_float(x.reshape(1, 1800), signed=False)
+        self.assertEqual((vector.rows, vector.absmax.shape), (0, (1800 // 128 + 1,)))
+        self.assertEqual(FourBitRank1Tensor.zeros((1, 1), signed=False).rows, 0)
 
     def test_rank1_row_counts_share_one_compiled_graph(self):
         # rows travels as a size (row_marks), not a constant: matrices of three row counts (none dividing

@@ -86,9 +86,12 @@ class FourBitRank1Tensor(FourBitTensor):
     """:class:`FourBitTensor` with rank-1 normalization of ``exp_avg_sq`` for tensors of two or more dims.
 
     One more attribute, ``rows``: 0 for blockwise scales (``exp_avg``, and 1-D tensors), else the number of
-    rows of the ``(rows, numel / rows)`` matrix the tensor is read as (its first dimension, taken when the
-    tensor is created, so that it survives the flat views the optimizer steps through). With ``rows > 0``,
-    ``absmax`` holds ``rows`` row maxima then ``numel / rows`` column maxima (fp32).
+    rows of the ``(rows, numel / rows)`` matrix the tensor is read as (its first dimension after any leading
+    dimensions of size one, taken when the tensor is created, so that it survives the flat views the optimizer
+    steps through). With ``rows > 0``, ``absmax`` holds ``rows`` row maxima then ``numel / rows`` column maxima
+    (fp32). Leading ones are no rows: a ``(1, 197, 768)`` position embedding is 197 rows of 768, and a ``(1, n)``
+    tensor is a vector with blockwise scales (read as one row, each of its columns would need a scale of its
+    own, four bytes per element, and its graph would be specialized to one row).
 
     ``rows`` is also held as a size: the field ``row_marks`` is ``rows`` zero bytes. Flattened for
     ``torch.compile`` the tensor carries ``rows`` that way only, not in its constant attributes, so one
@@ -126,8 +129,11 @@ class FourBitRank1Tensor(FourBitTensor):
     def _with_rows(cls, shape, attrs):
         if attrs.get("rows") is None:
             shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-            matrix = attrs.get("signed") is False and len(shape) >= 2 and shape.numel() > 0
-            attrs = dict(attrs, rows=shape[0] if matrix else 0)
+            dims = list(shape)
+            while dims and dims[0] == 1:
+                dims.pop(0)
+            matrix = attrs.get("signed") is False and len(dims) >= 2 and shape.numel() > 0
+            attrs = dict(attrs, rows=dims[0] if matrix else 0)
         return attrs
 
     @classmethod
