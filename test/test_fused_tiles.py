@@ -1,0 +1,47 @@
+"""Quantization blocks and the fused kernels' register tiles: blocks smaller than a tile share it (each with its
+own absmax), larger ones take a tile of their own with more warps. Whatever the block size, the fused step
+stores what the unfused update stores. Without CUDA the fused step runs in Triton's interpreter (conftest.py)."""
+import pytest
+import torch
+
+import torchao_optim
+from torchao_optim.optim.fused import MIN_TILE, fused_available
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# element counts that end tiles and blocks in the middle, and a tensor shorter than one block
+SHAPES = [(3000,), (37, 41), (256,), (129,), (5, 64), (20,)]
+
+
+def _steps(fused: bool, fmt: str, block: int):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
+    grads = [[(torch.randn(s, generator=gen) * 1e-2).to(DEVICE) for s in SHAPES] for _ in range(3)]
+    opt = torchao_optim.AdamW(params, state_format=fmt, block_size=block, min_quant_size=0, fused=fused,
+                              compile=False)
+    for step in grads:
+        for p, g in zip(params, step):
+            p.grad = g
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")
+@pytest.mark.parametrize("fmt,block", [("dtq8", 64), ("4bit", 32), ("fp8", 128), ("dtq8", 512)])
+def test_blocks_sharing_a_tile_or_spanning_warps_store_what_the_update_stores(fmt, block):
+    fused_params, fused = _steps(True, fmt, block)
+    plans = fused._group_plans(fused.param_groups[0])["plans"]
+    assert len(plans) == 1 and plans[0].block == block and plans[0].tile == max(block, MIN_TILE)
+    ref_params, ref = _steps(False, fmt, block)
+    for p, q in zip(fused_params, ref_params):
+        # fast division and FMA in the kernel: the parameter within a few fp32 ulps of its update
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), (p - q).abs().max()
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = fused.state[p][key], ref.state[q][key]
+            for name in a.elementwise_fields + a.blockwise_fields:
+                x, y = getattr(a, name), getattr(b, name)
+                if DEVICE == "cpu":  # the interpreter rounds as eager does: the same bits
+                    assert torch.equal(x, y), (key, name)
+                elif x.dtype.is_floating_point:  # scales
+                    assert torch.allclose(x, y, rtol=1e-6, atol=0), (key, name)
+                else:  # CUDA contracts into FMAs where eager does not: a value on a code boundary may round over
+                    assert (x != y).float().mean().item() < 0.01, (key, name)
