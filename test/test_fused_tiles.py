@@ -41,7 +41,7 @@ def test_blocks_sharing_a_tile_or_spanning_warps_store_what_the_update_stores(fm
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7 if exact else 1e-3), (p - q).abs().max()
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = fused.state[p][key], ref.state[q][key]
-            for name in a.elementwise_fields + a.blockwise_fields:
+            for name in a.data_fields():
                 x, y = getattr(a, name), getattr(b, name)
                 if exact:
                     assert torch.equal(x, y), (key, name)

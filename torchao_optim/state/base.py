@@ -89,8 +89,14 @@ class QuantizedState(torch.Tensor):
         return decorator
 
     @classmethod
-    def tensor_fields(cls) -> Tuple[str, ...]:
+    def data_fields(cls) -> Tuple[str, ...]:
+        """The inner tensors that hold the state's values: the per-element ones, then the per-block ones."""
         return cls.elementwise_fields + cls.blockwise_fields
+
+    @classmethod
+    def tensor_fields(cls) -> Tuple[str, ...]:
+        """Every inner tensor: :meth:`data_fields`, and any a format adds beside them."""
+        return cls.data_fields()
 
     @staticmethod
     def __new__(cls, shape, dtype=torch.float32, **fields_and_attrs):

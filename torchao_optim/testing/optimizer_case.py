@@ -290,7 +290,7 @@ class OptimizerConformanceCase(expecttest.TestCase):
                 hit = torch.zeros(math.ceil(p.numel() / sa.block_size), dtype=torch.bool, device=p.device)
                 hit[idx // sa.block_size] = True
                 clean = ~hit[block]
-                for name in sa.elementwise_fields + sa.blockwise_fields:  # per element (packed codes: several per entry) or per block
+                for name in sa.data_fields():  # per element (packed codes: several per entry) or per block
                     x, y = getattr(sa, name), getattr(sb, name)
                     keep = ~hit if name in sa.blockwise_fields else clean[:: math.ceil(p.numel() / x.numel())]
                     self.assertTrue(torch.equal(x[keep], y[keep]), f"{what} {key}.{name}: a clean block")

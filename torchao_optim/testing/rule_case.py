@@ -237,7 +237,7 @@ class RuleConformanceCase(OptimizerConformanceCase):
                 block = torch.arange(p.numel(), device=p.device) // sa.block_size
                 hit = torch.zeros(math.ceil(p.numel() / sa.block_size), dtype=torch.bool, device=p.device)
                 hit[idx // sa.block_size] = True
-                for name in sa.elementwise_fields + sa.blockwise_fields:
+                for name in sa.data_fields():
                     x, y = getattr(sa, name), getattr(sb, name)
                     keep = ~hit if name in sa.blockwise_fields else (~hit[block])[:: math.ceil(p.numel() / x.numel())]
                     self.assertTrue(torch.equal(x[keep], y[keep]), f"{what} {key}.{name}: a clean block")
