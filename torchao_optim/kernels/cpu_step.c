@@ -276,9 +276,18 @@ static void encode_store(const float *restrict x, int64_t codes, int64_t scales,
         top = m > top ? m : top;
     }
     float absmax = float_of(top);
+    float scaled[n < 1 ? 1 : n];
+    if (absmax < 0x1p-126f) {
+        /* a subnormal absmax's reciprocal overflows: the block and its absmax times 2**64 first (exact), as
+           quant/blockwise.normalize does; rare, so out of the vector loops */
+        for (int i = 0; i < n; i++) scaled[i] = x[i] * 0x1p64f;
+        x = scaled;
+        absmax *= 0x1p64f;
+    }
     float inv = 1.0f / (absmax > 0.0f ? absmax : 1.0f);
     if (kind == CODES8) encode8(x, (uint8_t *)codes + start, n, inv, E);
     else encode4(x, (uint8_t *)codes + start / 2, n, inv, E);
+    absmax = float_of(top);
     ((float *)scales)[blk] = absmax;
 }
 

@@ -14,6 +14,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+TINY: tl.constexpr = tl.constexpr(2.0**-126)  # quant.blockwise.TINY
+LIFT: tl.constexpr = tl.constexpr(2.0**64)
+
 
 @triton.jit
 def encode(y, level1, level2):
@@ -111,13 +114,21 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
     mask = local < n_valid
     if QUANT:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
+        # A subnormal absmax's reciprocal overflows: such a block and its absmax are multiplied by 2**64 first
+        # (exact), as quant.blockwise.normalize does. One block per tile: a branch, taken only by such a block,
+        # so other tiles pay nothing. Several: the factor is per block, 1 for all others (a branch there would
+        # hold both paths in registers: 9 more).
         if QBLOCK == BLOCK:
             absmax = tl.max(magnitude, axis=0)
-            y = x * tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
+            if absmax < TINY:
+                y = (x * LIFT) * tl.div_rn(1.0, tl.where(absmax > 0, absmax * LIFT, 1.0))
+            else:
+                y = x * tl.div_rn(1.0, absmax)
         else:
             absmax = tl.max(_by_block(magnitude, QBLOCK, BLOCK), axis=1)
-            inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax, 1.0))
-            y = tl.reshape(_by_block(x, QBLOCK, BLOCK) * inv[:, None], (BLOCK,))
+            lift = tl.where(absmax < TINY, LIFT, 1.0)
+            inv = tl.div_rn(1.0, tl.where(absmax > 0, absmax * lift, 1.0))
+            y = tl.reshape(_by_block(x, QBLOCK, BLOCK) * lift[:, None] * inv[:, None], (BLOCK,))
         # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
         # top code: no clamp needed
         code = encode(y, level1, level2)

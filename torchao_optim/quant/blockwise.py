@@ -71,14 +71,20 @@ def codebook_tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor
     return _table(tuple(values), like.device)
 
 
+TINY = 2.0**-126  # the smallest normal fp32: below it an absmax's reciprocal may overflow
+
+
 def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x * (1 / absmax)`` of its block, flat fp32 in [-1, 1]; NaN becomes 0, +/-Inf becomes +/-1.
 
-    A multiply by one reciprocal per block (not a division per element): the fused kernel does the same.
+    A multiply by one reciprocal per block (not a division per element): the fused kernels do the same. The
+    reciprocal of a subnormal absmax overflows, so such a block and its absmax are first multiplied by 2**64
+    (exact: a power of two), which leaves every other block's arithmetic as it is.
     """
     blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
-    inv = 1.0 / torch.where(absmax > 0, absmax, 1.0)  # (n_blocks,)
-    y = (blocks * inv[:, None]).reshape(-1)[: x.numel()]
+    lift = torch.where(absmax < TINY, 2.0**64, 1.0)  # (n_blocks,)
+    inv = 1.0 / torch.where(absmax > 0, absmax * lift, 1.0)
+    y = (blocks * lift[:, None] * inv[:, None]).reshape(-1)[: x.numel()]
     # y != y is NaN: a vector compare in inductor's C++ backend, where isnan is a scalar loop per vector
     return torch.where(y != y, 0.0, y).clamp(-1.0, 1.0)
 

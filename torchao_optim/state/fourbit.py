@@ -30,7 +30,7 @@ from typing import ClassVar, Optional, Tuple
 import torch
 
 from torchao_optim.quant import dynamic_map_values, pack_nibbles, quantize_nearest, unpack_nibbles
-from torchao_optim.quant.blockwise import codebook_tensor
+from torchao_optim.quant.blockwise import TINY, codebook_tensor
 from torchao_optim.state.base import _slice, aten
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
@@ -172,7 +172,8 @@ class FourBitRank1Tensor(FourBitTensor):
         finite = torch.where(torch.isfinite(matrix), matrix.abs(), 0.0)
         row_max, col_max = finite.amax(dim=1), finite.amax(dim=0)  # (rows,), (cols,)
         scale = torch.minimum(row_max[:, None], col_max[None, :])  # (rows, cols)
-        y = matrix * (1.0 / torch.where(scale > 0, scale, 1.0))
+        lift = torch.where(scale < TINY, 2.0**64, 1.0)  # as quant.blockwise.normalize: a subnormal scale
+        y = matrix * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
         y = torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0).reshape(-1)
         codes = quantize_nearest(y, layout.codebook, layout.never_zero)
         return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max]),
