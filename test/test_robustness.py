@@ -566,3 +566,23 @@ class TestProperties(expecttest.TestCase):
             for key in ("exp_avg", "exp_avg_sq"):
                 state = opt.state[p][key]
                 self.assertTrue(torch.isfinite(state.absmax).all())
+
+
+def _steps_with_grads(make_grad, n=6):
+    """Parameters after ``n`` AdamW8bit steps whose gradients ``make_grad(i, values)`` returns (the values of
+    step i's gradient, in whatever layout it makes); the parameter has whole blocks, so the fused path takes it."""
+    p = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(5)))
+    opt = AdamW8bit([p], min_quant_size=0)
+    for i in range(n):
+        p.grad = make_grad(i, torch.randn(64, 64, generator=torch.Generator().manual_seed(i)))
+        opt.step()
+    return p.detach()
+
+
+def test_a_gradient_that_moves_to_a_non_contiguous_tensor_is_read_by_its_strides():
+    # the fused plans cache where each gradient is and read it as contiguous: one that moves to a transposed
+    # layout (the same values) is planned again, onto the path that reads strides; before, the plan read its
+    # memory in the wrong order
+    expected = _steps_with_grads(lambda i, g: g.clone())
+    got = _steps_with_grads(lambda i, g: g.t().contiguous().t() if i >= 2 else g.clone())
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

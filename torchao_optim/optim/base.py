@@ -635,8 +635,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
                                      plan_cache, flags)
             rest, rule = [i for i in rest if not self._offloads(params[i])], None  # the others: compiled path
         plans = []
+        # the fused path's table of gradient addresses: refreshed here, outside any graph that replays it
+        addresses = self._grad_addresses.get(id(group)) if replay else None
+        addresses = addresses[1] if addresses is not None and addresses[0] is params else None
         if rule is not None:
             plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
+            if not all([plan.refresh_grads(addresses) for plan in plans]):  # a gradient moved, not contiguous
+                plan_cache().clear()
+                plans, rest = plan_group(plan_cache(), params, states, rule, self._interpreter, self._rounding)
+                for plan in plans:
+                    plan.refresh_grads(addresses)
         if rest and self._capturable:
             p = params[rest[0]]
             raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
@@ -650,11 +658,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if compiled[0]:
                 self._step_compiled(*compiled, group)
 
-        # the fused path's table of gradient addresses: refreshed here, outside any graph that replays it
-        addresses = self._grad_addresses.get(id(group)) if replay else None
-        addresses = addresses[1] if addresses is not None and addresses[0] is params else None
-        for plan in plans:
-            plan.refresh_grads(addresses)
         device = self._replay_device(group, params) if replay and (not compiled[0] or self._update.enabled) else None
         if device is None:
             return work()

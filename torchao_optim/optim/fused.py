@@ -229,10 +229,12 @@ class GroupPlan:
         """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
         return bool(stochastic_round) and self.bf16
 
-    def refresh_grads(self, group_addresses: Optional[tuple] = None) -> None:
-        """Point the kernel at the gradients' current addresses (a copy only when one moved).
-        ``group_addresses``: the addresses of the gradients of the list the plan was made from, in its order,
-        where the caller has them (this runs before the step's first launch, for every parameter)."""
+    def refresh_grads(self, group_addresses: Optional[tuple] = None) -> bool:
+        """Point the kernel at the gradients' current addresses (a copy only when one moved). Returns False,
+        changing nothing, when a moved gradient is not contiguous: the kernel would misread it, the parameter
+        must be planned again (it then takes the compiled path). ``group_addresses``: the addresses of the
+        gradients of the list the plan was made from, in its order, where the caller has them (this runs before
+        the step's first launch, for every parameter)."""
         if self.sharded:
             key = tuple(local(p.grad).data_ptr() for p in self.params)
         elif group_addresses is not None:
@@ -240,6 +242,8 @@ class GroupPlan:
         else:
             key = tuple(map(Tensor.data_ptr, map(_GRAD, self.params)))
         if key != self.grad_key:
+            if not all(local(p.grad).is_contiguous() for p in self.params):
+                return False
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
                 if torch.cuda.is_current_stream_capturing():
@@ -256,6 +260,7 @@ class GroupPlan:
             self.grad_ptrs.copy_(host, non_blocking=True)
             self.grad_key = key
             self.grads_aligned = all(k % 16 == 0 for k in key)
+        return True
 
     def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False,
                stochastic_round: bool = False, refresh: bool = True, **flags) -> None:
@@ -264,8 +269,10 @@ class GroupPlan:
         Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``), then the update. On the
         CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`. ``refresh=False``: the caller has just
         called :meth:`refresh_grads`."""
-        if refresh:
-            self.refresh_grads()
+        if refresh and not self.refresh_grads():
+            p = next(p for p in self.params if not local(p.grad).is_contiguous())
+            raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
+                               f"{local(p.grad).stride()}), which this fused step cannot read; make it contiguous")
         if self.executor == "cpu":
             from torchao_optim.kernels.cpu import launch_cpu
 
