@@ -123,21 +123,28 @@ class _Recorded:
 
 @pytest.fixture
 def cpu_graphs(monkeypatch):
-    """Replay on the CPU: every step reports (signature, what happened) to the returned list."""
+    """Replay on the CPU: every step reports (signature, what happened, which way) to the returned list; the way
+    is "full" (the signature built and compared) or "steady" (replay.Steady's checks only)."""
     from torchao_optim.optim import base
 
     events = []
     monkeypatch.setattr(base.LowBitOptimizer, "_replay_device", lambda self, group, params: torch.device("cpu"))
     monkeypatch.setattr(replay.StepGraph, "_capture", lambda self, work, device: _Recorded(work))
-    real_run = replay.StepGraph.run
+    real_run, real_again = replay.StepGraph.run, replay.StepGraph.again
 
     def run(self, signature, keep, work, device):
         before = self.graph
-        real_run(self, signature, keep, work, device)
+        replayed = real_run(self, signature, keep, work, device)
         events.append((signature, "replayed" if before is not None and self.graph is before
-                       else "captured" if self.graph is not None else "python"))
+                       else "captured" if self.graph is not None else "python", "full"))
+        return replayed
+
+    def again(self):
+        real_again(self)
+        events.append((self.signature, "replayed", "steady"))
 
     monkeypatch.setattr(replay.StepGraph, "run", run)
+    monkeypatch.setattr(replay.StepGraph, "again", again)
     return events
 
 
@@ -175,6 +182,55 @@ def test_what_keeps_and_what_drops_a_graph(cpu_graphs, fused):
     # a parameter without a gradient is a new list of parameters to step
     params[1].grad = None
     assert step() == "python"
+
+
+def test_the_short_way_replays_only_what_the_full_way_would(cpu_graphs):
+    # after a replay, the next step checks the gradients' and parameters' addresses and the settings' identity
+    # only (replay.Steady); whatever else changed goes the full way, which builds the signature and decides
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 32), (300,), (7,)]]
+    opt = torchao_optim.AdamW(params, min_quant_size=512)
+    group = opt.param_groups[0]
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+    def way(**change):
+        group.update(change)
+        opt.step()
+        return cpu_graphs[-1][1:]
+
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert cpu_graphs[-1][1:] == ("captured", "full")
+    steady = ("replayed", "steady")
+    assert way() == way(lr=3e-4) == way(betas=(0.8, 0.99)) == way(weight_decay=0.1) == steady
+    params[0].grad = params[0].grad.clone()  # moved: the plan's table follows it
+    assert way() == steady and opt._plans[id(group)]["plans"][0].grad_key[0] == params[0].grad.data_ptr()
+    # a setting set to an equal value of another object: the full way finds the same signature
+    assert group["min_quant_size"] == 512 and way(min_quant_size=int("2") * 256) == ("replayed", "full")
+    assert way() == steady
+    assert way(maximize=True) == ("python", "full")
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert way() == steady
+    params[2].data = params[2].data.clone()  # the plan holds the old address
+    assert way() == ("python", "full")
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert way() == steady
+    # the list changed in place, to a parameter at the same address (its state is its own)
+    group["params"][2] = new = torch.nn.Parameter(params[2].detach())
+    new.grad = torch.randn(7)
+    assert way() == ("python", "full") and "exp_avg" in opt.state[new]
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert way() == steady
+    params[0].grad = params[0].grad.t().contiguous().t()  # moved, and not contiguous: planned again
+    assert way() == ("python", "full") and opt._plans[id(group)]["rest"] == [0]
+    params[1].grad = None
+    assert way() == ("python", "full")
+    params[1].grad = torch.randn(300).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
 
 
 def test_muon_eps_is_a_setting_and_its_lr_is_data(cpu_graphs):

@@ -24,7 +24,7 @@ from torchao_optim.optim.fused import _GRAD, FusedRule, fused_available, plan_gr
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
-from torchao_optim.optim.replay import StepGraph
+from torchao_optim.optim.replay import Steady, StepGraph
 from torchao_optim.optim.rounding import rounding_key
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
@@ -556,9 +556,31 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     torch.ops.torchao_optim.step_(params, grads, tensors, self._key, index)
             return loss
         for group in self.param_groups:
+            if self._replay_steady(group):
+                continue
             params, states = self._params_with_grad(group)
             self._step_group(group, params, states, lambda: self._group_plans(group), replay=True)
         return loss
+
+    def _replay_steady(self, group) -> bool:
+        """Step ``group`` by replaying its graph if its last step was replayed and nothing that step depended
+        on has changed (:class:`~torchao_optim.optim.replay.Steady`); False where the whole way must decide."""
+        graph = self._graphs.get(id(group))
+        steady = graph.steady if graph is not None else None
+        if steady is None or not replay.ENABLED:
+            return False
+        grads = steady.grads_if_unchanged(group)
+        if grads is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return False
+        if grads != steady.grad_addresses:  # moved: the plans' tables follow (outside the graph)
+            if not all([plan.refresh_grads(grads) for plan in steady.plans]):
+                return False  # a moved gradient is not contiguous: planned again
+            if tuple(plan.grads_aligned for plan in steady.plans) != steady.aligned:
+                return False  # the graph was captured for the other alignment: the signature differs
+            steady.grad_addresses = grads
+        self._hyperparams(group, steady.device)
+        graph.again()
+        return True
 
     def _group_plans(self, group) -> dict:
         """Where ``group``'s fused plans are cached (optim/fused.py's plan_group)."""
@@ -667,13 +689,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # The numbers the hyperparameter tensor carries are data (refilled above); a tensor is read by address;
         # anything else the step may read as a constant (a flag, Muon's eps): it is part of the signature.
         data = {id(x) for x in self._hyperparam_values(group) if not isinstance(x, Tensor)}
+        data_keys = {k for k, v in group.items() if id(v) in data or isinstance(v, tuple) and v
+                     and all(id(x) in data for x in v)}
         settings, tensors = [], []
         for k, v in group.items():
             if isinstance(v, Tensor):
                 settings.append((k, id(v)))
                 tensors.append(v)
-            elif k != "params" and not (id(v) in data or isinstance(v, tuple) and v
-                                        and all(id(x) in data for x in v)):
+            elif k != "params" and k not in data_keys:
                 settings.append((k, v))
         if compiled[0]:  # what the compiled path's kernels read by address: parameters, gradients, states
             if addresses is None:
@@ -684,7 +707,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             read = ()
         signature = (id(params), tuple(settings), tuple(id(plan) for plan in plans),
                      tuple(plan.grads_aligned for plan in plans), read)
-        self._graphs.setdefault(id(group), StepGraph()).run(signature, (params, plans, tensors), work, device)
+        graph = self._graphs.setdefault(id(group), StepGraph())
+        replayed = graph.run(signature, (params, plans, tensors), work, device)
+        # replayed, fused only, every parameter with a gradient: the next step may take the short way
+        if replayed and not compiled[0] and addresses is not None and len(params) == len(group["params"]):
+            graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys)
 
     def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
         """The CUDA device whose graph may replay the step of ``params`` (``group``'s with gradients), or None

@@ -18,15 +18,24 @@ warning, and the group steps from Python from then on.
 Not used inside a CUDA graph capture of the user's own (``capturable=True``), under ``torch.compile``, for
 DTensor (FSDP2) parameters, with ``offload_state`` or when stepping in backward. ``ENABLED = False`` turns it
 off; results are bit-identical either way.
+
+A replayed step whose group then steps again unchanged takes a shorter road (:class:`Steady`): what the
+signature and the fused plans depend on is checked in a few passes over the parameters in C (the gradients'
+addresses, which also say that every parameter has one; the parameters' ids and addresses; the group's
+settings by identity), and the graph is replayed. Anything else goes the whole way, which decides again.
 """
 from __future__ import annotations
 
+import operator
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch import Tensor
 
-__all__ = ["ENABLED", "StepGraph"]
+from torchao_optim.optim.fused import _GRAD
+
+__all__ = ["ENABLED", "StepGraph", "Steady"]
 
 ENABLED = True
 REPEATS = 2  # steps with the same signature before capturing: the first ones compile and settle the caches
@@ -42,25 +51,32 @@ class StepGraph:
         self.seen: Any = None
         self.repeats = 0
         self.failed = False
+        self.steady: Optional[Steady] = None  # set by the optimizer after a replay it may repeat unchecked
 
-    def run(self, signature, keep, work: Callable[[], None], device: torch.device) -> None:
-        """Do ``work`` (the group's launches) for this step: replayed, captured and replayed, or called."""
+    def run(self, signature, keep, work: Callable[[], None], device: torch.device) -> bool:
+        """Do ``work`` (the group's launches) for this step: replayed, captured and replayed, or called.
+        Returns whether the graph was replayed."""
+        self.steady = None
         if self.failed or not ENABLED:
-            return work()
+            work()
+            return False
         if self.graph is not None and signature == self.signature:
             self._replay(device)
-            return None
+            return True
         self.graph = self.signature = self.keep = None  # stale: whatever it captured may have moved
         self.repeats = self.repeats + 1 if signature == self.seen else 1
         self.seen = signature
-        if self.repeats <= REPEATS:
-            return work()
-        graph = self._capture(work, device)
+        graph = self._capture(work, device) if self.repeats > REPEATS else None
         if graph is None:
-            return work()
+            work()
+            return False
         self.graph, self.signature, self.keep = graph, signature, keep
         self._replay(device)
-        return None
+        return True
+
+    def again(self) -> None:
+        """Replay the graph for a step that :class:`Steady` found unchanged."""
+        self._replay(self.steady.device)
 
     def _replay(self, device: torch.device) -> None:
         """On the current stream of ``device`` (a graph is launched on the current device's stream)."""
@@ -93,3 +109,49 @@ class StepGraph:
             finally:
                 torch.cuda.current_stream().wait_stream(stream)
         return graph
+
+
+class Steady:
+    """A parameter group's replayed step as it was, for the next step to compare against cheaply.
+
+    Recorded only for a group whose every parameter has a gradient and is stepped by the fused plans (a
+    compiled step reads tensors by address that these checks do not cover). ``data_keys``: the group's keys
+    whose values are numbers the hyperparameter tensor carries (refilled before every replay, so not
+    compared); every other key's value must be the very same object.
+    """
+
+    def __init__(self, group: dict, param_addresses: tuple, grad_addresses: tuple, plans: Sequence,
+                 device: torch.device, data_keys: set):
+        self.params = group["params"]
+        self.ids = tuple(map(id, self.params))
+        self.param_addresses = param_addresses
+        self.grad_addresses = grad_addresses
+        self.plans = plans
+        self.aligned = tuple(plan.grads_aligned for plan in plans)
+        self.device = device
+        self.keys = tuple(group)
+        positions = [i for i, k in enumerate(self.keys) if k != "params" and k not in data_keys]
+        self.settings = self._pick(positions)
+        self.values = self.settings(tuple(group.values()))
+
+    @staticmethod
+    def _pick(positions):
+        """Values at ``positions`` of a tuple, as a tuple (also for one position or none)."""
+        if len(positions) == 1:
+            return lambda values, i=positions[0]: (values[i],)
+        return operator.itemgetter(*positions) if positions else (lambda values: ())
+
+    def grads_if_unchanged(self, group: dict) -> Optional[tuple]:
+        """The addresses of the gradients of ``group``'s parameters if nothing the recorded step depended on
+        differs, else None. (The gradients may have moved: the plans' tables follow them.)"""
+        params = group["params"]
+        if params is not self.params or tuple(group) != self.keys:
+            return None
+        try:  # a parameter without a gradient (None) or with a sparse one has no address
+            grads = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
+        except (TypeError, RuntimeError):
+            return None
+        if (tuple(map(id, params)) != self.ids or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
+                or not all(map(operator.is_, self.settings(tuple(group.values())), self.values))):
+            return None
+        return grads
