@@ -572,6 +572,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         grads = steady.grads_if_unchanged(group)
         if grads is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
+        if self._plans.get(id(group), {}).get("plans") is not steady.plans:
+            return False  # planned again since (a step traced by torch.compile plans through the same cache)
         if grads != steady.grad_addresses:  # moved: the plans' tables follow (outside the graph)
             if not all([plan.refresh_grads(grads) for plan in steady.plans]):
                 return False  # a moved gradient is not contiguous: planned again
