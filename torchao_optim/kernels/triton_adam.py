@@ -147,6 +147,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
 
     if MAXIMIZE:
         g = -g
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
     if DECOUPLED:
         p_decayed = p * wd
     else:
@@ -154,10 +156,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
         p_decayed = p
     m_new = m + one_minus_beta1 * (g - m)
     v_new = v * beta2 + one_minus_beta2 * g * g
-    # An element whose gradient is not finite, or whose new moment overflows, is skipped (adam_update says why).
-    # A non-finite gradient needs no test of its own: g * g is then +inf or NaN, and so is v_new (NaN < inf is
-    # false), whatever beta2 is.
-    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    # an element whose new moment overflows is skipped too (adam_update says why)
+    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
     m = tl.where(ok, m_new, m)
     v = tl.where(ok, v_new, v)
     # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
