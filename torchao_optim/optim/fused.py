@@ -229,20 +229,23 @@ class GroupPlan:
         """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
         return bool(stochastic_round) and self.bf16
 
+    def _grads(self):
+        """The gradients the kernel reads, in the plan's order (a DTensor's local shard), as an iterator."""
+        grads = map(_GRAD, self.params)
+        return map(local, grads) if self.sharded else grads
+
     def refresh_grads(self, group_addresses: Optional[tuple] = None) -> bool:
         """Point the kernel at the gradients' current addresses (a copy only when one moved). Returns False,
         changing nothing, when a moved gradient is not contiguous: the kernel would misread it, the parameter
         must be planned again (it then takes the compiled path). ``group_addresses``: the addresses of the
         gradients of the list the plan was made from, in its order, where the caller has them (this runs before
         the step's first launch, for every parameter)."""
-        if self.sharded:
-            key = tuple(local(p.grad).data_ptr() for p in self.params)
-        elif group_addresses is not None:
+        if group_addresses is not None and not self.sharded:
             key = self.pick(group_addresses)
         else:
-            key = tuple(map(Tensor.data_ptr, map(_GRAD, self.params)))
+            key = tuple(map(Tensor.data_ptr, self._grads()))
         if key != self.grad_key:
-            if not all(local(p.grad).is_contiguous() for p in self.params):
+            if not all(map(Tensor.is_contiguous, self._grads())):
                 return False
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
@@ -270,9 +273,9 @@ class GroupPlan:
         CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`. ``refresh=False``: the caller has just
         called :meth:`refresh_grads`."""
         if refresh and not self.refresh_grads():
-            p = next(p for p in self.params if not local(p.grad).is_contiguous())
+            p, g = next((p, g) for p, g in zip(self.params, self._grads()) if not g.is_contiguous())
             raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
-                               f"{local(p.grad).stride()}), which this fused step cannot read; make it contiguous")
+                               f"{g.stride()}), which this fused step cannot read; make it contiguous")
         if self.executor == "cpu":
             from torchao_optim.kernels.cpu import launch_cpu
 
