@@ -41,7 +41,7 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
                  "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
     constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
                      VEC=16 // (4 if dtype == "fp32" else 2), ITERS=ITERS, PREFETCH=PREFETCH, ALIGNED=True,
-                     DECOUPLED=True, MAXIMIZE=False, FAST_DIV=True, SR=False,
+                     DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
                      M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits)
     signature.update({name: "constexpr" for name in constants})
     names = adam_kernel.arg_names

@@ -326,6 +326,7 @@ class TestBadInput(expecttest.TestCase):
             (dict(lr=-1.0), "-1.0"),
             (dict(lr=torch.tensor([1e-3, 1e-3])), "lr"),
             (dict(eps=-1.0), "-1.0"),
+            (dict(eps=1e-40), "1e-40 is positive but below float32's smallest normal"),  # 0 * (1 / eps) = NaN
             (dict(betas=(1.0, 0.9)), "1.0"),
             (dict(betas=(0.9, -0.5)), "-0.5"),
             (dict(betas=(0.9,)), "(0.9,)"),

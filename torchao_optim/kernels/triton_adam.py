@@ -107,9 +107,20 @@ def _codes_pointer(address, QUANT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl
 
 
 @triton.jit
+def _opaque(codes, QUANT: tl.constexpr, PTX: tl.constexpr):
+    """Codes (int32) hidden from LLVM behind an empty inline PTX move, which ptxas removes. Codes loaded for the
+    next tile are held across the loop's back edge; knowing they are bytes, LLVM would hold them in 16-bit
+    registers and mask them again where they are decoded: two instructions per element. Triton's interpreter
+    runs no PTX."""
+    if QUANT and PTX:
+        codes = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [codes], dtype=tl.int32, is_pure=True, pack=1)
+    return codes
+
+
+@triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
                QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr,
-               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr, PTX: tl.constexpr):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scales (or fp32 values)."""
     start = blk * BLOCK
@@ -118,7 +129,7 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
     g = tl.load(g_base + start + local, mask=valid, other=0.0)
     m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC)
     v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC)
-    return p, g, m_raw, m_scale, v_raw, v_scale
+    return p, g, _opaque(m_raw, M_QUANT, PTX), m_scale, _opaque(v_raw, V_QUANT, PTX), v_scale
 
 
 @triton.jit
@@ -134,7 +145,7 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 FAST_DIV: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
+                 PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
@@ -147,8 +158,6 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
 
     if MAXIMIZE:
         g = -g
-    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
-    g = tl.where(finite, g, 0.0)
     if DECOUPLED:
         p_decayed = p * wd
     else:
@@ -156,18 +165,22 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
         p_decayed = p
     m_new = m + one_minus_beta1 * (g - m)
     v_new = v * beta2 + one_minus_beta2 * g * g
-    # an element whose new moment overflows is skipped too (adam_update says why)
-    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    # Skipped, as adam_update skips them: a non-finite gradient element, and an element whose new moment
+    # overflows. One test finds both: for a gradient element of +-inf or NaN, ((1 - beta2) * g) * g is +inf or
+    # NaN whatever beta2 is, and so is v_new (NaN is not < inf). The skipped elements' m_new, v_new and
+    # parameter are computed from the unsanitized gradient and thrown away.
+    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
     m = tl.where(ok, m_new, m)
     v = tl.where(ok, v_new, v)
-    # fast sqrt and division: the parameter may differ from the compiled path by an ulp of its update;
+    # fast sqrt and division: the parameter may differ from the compiled path by an ulp or two of its update;
     # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
-    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19), the range where PTX's div.approx (two
-    # ulps) needs none of the rescaling tl.fdiv's div.full adds; Triton's interpreter runs no PTX.
+    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19; eps is 0 or normal, as Adam checks), where
+    # the reciprocal that flushes subnormals (one ulp) is exact in range and m * (1 / denom) is within two
+    # ulps, with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
     denom = tl.sqrt(v) * inv_bc2 + eps
-    if FAST_DIV:
-        ratio = tl.inline_asm_elementwise("div.approx.f32 $0, $1, $2;", "=f,f,f", [m, denom], dtype=tl.float32,
-                                          is_pure=True, pack=1)
+    if PTX:
+        ratio = m * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32,
+                                              is_pure=True, pack=1)
     else:
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
@@ -192,7 +205,7 @@ def adam_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    FAST_DIV: tl.constexpr, SR: tl.constexpr,
+    PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -204,7 +217,6 @@ def adam_kernel(
     first = tl.load(prog_block + pid).to(tl.int64)
     # the program's tiles: n_full whole tiles, then at most one partial tile (a tensor's last)
     n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)
-    has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
     local = tile_offsets(BLOCK, VEC)  # offsets inside the tile: constants per thread
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
@@ -216,27 +228,28 @@ def adam_kernel(
     # stay vectors.
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT,
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
                      V_BITS)
-    if has_tail:
+    # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
+    if (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS)
+                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, FAST_DIV, SR, M_QUANT, M_BITS, V_QUANT,
+                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
                      V_BITS)

@@ -25,13 +25,15 @@ def encode(y, level1, level2):
     ``level1`` is ``BucketTables.level1_by_bits()`` (indexed by the sign and exponent bits as they are) and
     ``level2`` is ``BucketTables.level2_keyed()``: the candidate code and the key from which the code is one
     more, in one 4-byte load. The key is ``y``'s mantissa with its bits flipped for ``y < 0`` (one
-    exclusive-or with the sign spread over the word), so one unsigned comparison decides for both signs.
+    exclusive-or with the sign spread over the word), so one addition decides for both signs.
     """
     bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
     entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
     key = (bits ^ (bits >> 31)) & 0x7FFFFF
     packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31)))).to(tl.uint32, bitcast=True)
-    return (packed >> 24).to(tl.int32) + (key >= (packed & 0xFFFFFF).to(tl.int32)).to(tl.int32)
+    # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly when
+    # key >= threshold (no compare and select)
+    return ((packed + key.to(tl.uint32, bitcast=True)) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -73,6 +75,7 @@ def load_codes(codes, scales, start, blk, local, n_valid,
         else:  # BLOCK // 2 bytes: element 2i in the low nibble of byte i, 2i + 1 in the high one
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
+        raw = raw.to(tl.int32)
         scales = scales.to(tl.pointer_type(tl.float32))
         if QBLOCK == BLOCK:
             scale = tl.load(scales + blk, mask=n_valid > 0, other=0.0)
@@ -90,9 +93,9 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element."""
     if QUANT:
         if BITS == 8:
-            code = raw.to(tl.int32)
+            code = raw
         else:
-            code = tl.interleave(raw & 15, raw >> 4).to(tl.int32)
+            code = tl.interleave(raw & 15, raw >> 4)
         x = tl.load(values + code)
         if QBLOCK == BLOCK:
             x = x * scale

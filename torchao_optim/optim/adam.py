@@ -18,10 +18,18 @@ __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "Adam4bit", 
            "dequantize_state_dict"]
 
 
+_SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+
+
 def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_size=0):
     if not number("lr", lr, tensor_ok=True) >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr!r}")
     check_number("epsilon value", eps)
+    if 0.0 < number("epsilon value", eps, tensor_ok=True) < _SMALLEST_NORMAL:
+        # the fused kernels take the reciprocal of the denominator flushing subnormals to zero (one instruction
+        # where a subnormal-safe one takes five): a subnormal eps would turn 0 / eps into 0 * inf = NaN
+        raise ValueError(f"Invalid epsilon value: {eps!r} is positive but below float32's smallest normal "
+                         f"number, {_SMALLEST_NORMAL!r}: use 0 or a value at least that large")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):

@@ -297,7 +297,7 @@ class GroupPlan:
             self.round_info, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
             ITERS=self.iters,
-            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, FAST_DIV=not _interpreter(),
+            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not _interpreter(),
             SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),

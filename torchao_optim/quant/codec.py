@@ -99,11 +99,15 @@ class BucketTables:
 
     def level2_keyed(self) -> torch.Tensor:
         """:meth:`level2_with_bounds` rearranged for an encoder that compares whole mantissas, with the same codes:
-        int32 per bucket, ``(candidate << 24) | threshold``, indexed by ``offset + (key >> shift)`` where ``key``
-        is the mantissa of ``y`` (23 bits), with every bit flipped for ``y < 0``. The code is ``candidate + (key
-        >= threshold)`` for both signs: flipping the bits reverses the order of a negative slice's buckets and of
-        the mantissas inside each bucket, so "the low bits are below the switch point" becomes "the flipped key
-        reaches the mirrored point". Saves the encoder the low-bit mask and the sign test."""
+        int32 per bucket, ``((candidate + 1) << 24) - threshold`` (as uint32), indexed by ``offset + (key >>
+        shift)`` where ``key`` is the mantissa of ``y`` (23 bits), with every bit flipped for ``y < 0``. The code
+        is ``candidate + (key >= threshold)`` for both signs: flipping the bits reverses the order of a negative
+        slice's buckets and of the mantissas inside each bucket, so "the low bits are below the switch point"
+        becomes "the flipped key reaches the mirrored point". ``threshold`` is at most ``2**23`` (a bucket that
+        never switches: every key is below it), so adding ``key`` to the entry carries into the top byte exactly
+        when ``key >= threshold``, and the code is ``(entry + key) >> 24``. (A bucket whose candidate is the top
+        code never switches, so the entry stays below ``2**32``.) Saves the encoder the low-bit mask, the sign
+        test and the comparison."""
         return _level2_keyed(self.level1, self.level2_packed)
 
     def to(self, device) -> "BucketTables":
@@ -157,7 +161,7 @@ def _level2_keyed(level1: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
                 key_bucket, threshold = n - 1 - bucket, (1 << shift) - low_plus
             else:
                 key_bucket, threshold = bucket, low_plus
-            out[offset + key_bucket] = (candidate << 24) | ((key_bucket << shift) + threshold)
+            out[offset + key_bucket] = ((candidate + 1) << 24) - ((key_bucket << shift) + threshold)
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
