@@ -32,7 +32,10 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
     from triton.compiler import ASTSource
 
     from torchao_optim.kernels.triton_adam import adam_kernel
-    from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH
+    import torch
+
+    from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH, register_cap
+    from torchao_optim.state.layout import StateLayout
 
     param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
     signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
@@ -47,7 +50,11 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
     names = adam_kernel.arg_names
     source = ASTSource(fn=adam_kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS)
+    layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
+    cap = register_cap((layout, layout), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize)
+    options = {"num_warps": num_warps, **({"maxnreg": cap} if cap else {})}
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 
 

@@ -29,7 +29,8 @@ def main():
     ap.add_argument("--iters", default="1,4,8,16")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--warps", default="2,4")
-    ap.add_argument("--maxnreg", default="0", help="register caps to try (0: the compiler's choice)")
+    ap.add_argument("--maxnreg", default="auto",
+                    help="register caps to try (auto: optim.fused.REGISTER_CAPS'; 0: none, the compiler's choice)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -44,9 +45,10 @@ def main():
     bandwidth = copy_bandwidth("cuda")
     floor = None
     configs = [(i, bool(int(f)), w, r) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
-               for w in map(int, args.warps.split(",")) for r in map(int, args.maxnreg.split(","))]
+               for w in map(int, args.warps.split(",")) for r in args.maxnreg.split(",")]
     for iters, prefetch, warps, maxnreg in configs:
-        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.MAXNREG = iters, prefetch, warps, maxnreg or None
+        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS = iters, prefetch, warps
+        fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
         end = time.perf_counter() + WARM_S  # as benchmark_step.py: the clocks rise under load
         while time.perf_counter() < end:
@@ -68,7 +70,7 @@ def main():
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {maxnreg or '-'} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} "
+        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} "
               f"| {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()

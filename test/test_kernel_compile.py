@@ -4,7 +4,8 @@ Triton's interpreter, which runs the kernels in the CPU tests, executes them as 
 so a construct the compiler rejects (a branch compiled for a shape it does not fit, say) passes there and fails
 on the first GPU. Here the Adam kernel is compiled to SASS for sm_90 (Triton's CUDA backend and its bundled
 tools, no GPU) in the configurations the built-in formats use, in a process of its own without the
-interpreter, and must not spill registers to the stack.
+interpreter, under the register cap the planner gives it (``optim.fused.REGISTER_CAPS``), and must not spill
+registers to the stack.
 """
 import importlib.util
 import json
@@ -28,7 +29,7 @@ def _backend_tools():
 
 
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
-@pytest.mark.parametrize("dtype,bits,block", [("fp32", 8, 256), ("bf16", 4, 128)])
+@pytest.mark.parametrize("dtype,bits,block", [("fp32", 8, 256), ("bf16", 8, 256), ("fp32", 4, 128), ("bf16", 4, 128)])
 def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])

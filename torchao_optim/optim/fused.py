@@ -37,7 +37,13 @@ _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
-MAXNREG = None  # a register cap per thread for the update kernel (None: the compiler's choice)
+MAXNREG = None  # where set, the register cap of every update kernel instead of REGISTER_CAPS' (0: none)
+# Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 and 120
+# registers for these two) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200
+# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X): 4.5% and 6.6% faster than
+# uncapped. The other configurations gained 2% or less, within the spread between runs, and some caps spill
+# with Triton 3.9 (benchmarks/count_instructions.py reports it), so they are left to the compiler.
+REGISTER_CAPS = {(8, 2): 80, (4, 4): 104}
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
@@ -184,6 +190,7 @@ class GroupPlan:
         # blocks get more threads, not more registers per thread.
         self.tile = max(self.block, MIN_TILE)
         self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.tile // 256)
+        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
                                   for x in _fields(s[k], layout)] for p, s in zip(shards, states)]
@@ -302,8 +309,17 @@ class GroupPlan:
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
-            num_warps=self.num_warps, **({"maxnreg": MAXNREG} if MAXNREG else {}),
+            num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
         )
+
+
+def register_cap(layouts, param_bytes: int) -> Optional[int]:
+    """The register cap of an Adam plan whose states have ``layouts``: :data:`MAXNREG` where set, else
+    :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
+    if MAXNREG is not None:
+        return MAXNREG or None
+    bits = [layout.bits for layout in layouts if layout != "fp32"]
+    return REGISTER_CAPS.get((min(bits), param_bytes)) if bits else None
 
 
 def _addresses(params: List[Tensor]) -> tuple:
