@@ -318,7 +318,7 @@ def register_cap(layouts, param_bytes: int) -> Optional[int]:
     :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
         return MAXNREG or None
-    bits = [layout.bits for layout in layouts if layout != "fp32"]
+    bits = [getattr(layout, "bits", 8) for layout in layouts if layout != "fp32"]
     return REGISTER_CAPS.get((min(bits), param_bytes)) if bits else None
 
 

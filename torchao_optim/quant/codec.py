@@ -162,6 +162,8 @@ def _level2_keyed(level1: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
             else:
                 key_bucket, threshold = bucket, low_plus
             out[offset + key_bucket] = ((candidate + 1) << 24) - ((key_bucket << shift) + threshold)
+    if not bool(((out > 0) & (out < 2**32)).all()):  # a top-code bucket that switches would carry past 32 bits
+        raise AssertionError("level2_keyed: an entry does not fit in 32 bits")
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
