@@ -3,7 +3,8 @@
 Compiles ``adam_kernel`` for one configuration to SASS for a chosen architecture (default sm_90, the H100/H200)
 with the installed Triton and its bundled ``nvdisasm``, finds the kernel's main loop (its longest backward branch)
 and prints the loop's length, its instructions per element (the loop walks one tile: ``BLOCK / (32 *
-num_warps)`` elements per thread), the registers per thread and a count by opcode. The fused step is bound by
+num_warps)`` elements per thread), the registers per thread (under the planner's register cap unless
+``--maxnreg`` says otherwise) and a count by opcode. The fused step is bound by
 issuing instructions (docs/performance.md), so this is the first figure to look at when changing the kernel;
 it needs Triton with its CUDA backend but no driver and no device, and Triton's interpreter off (``TRITON_INTERPRET``
 unset: the interpreter never compiles).
@@ -25,15 +26,14 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
+def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto"):
+    import torch
     import triton
     import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     from torchao_optim.kernels.triton_adam import adam_kernel
-    import torch
-
     from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH, register_cap
     from torchao_optim.state.layout import StateLayout
 
@@ -50,9 +50,10 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int):
     names = adam_kernel.arg_names
     source = ASTSource(fn=adam_kernel, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()})
-    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS)
+    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
-    cap = register_cap((layout, layout), {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize)
+    param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize
+    cap = register_cap((layout, layout), param_bytes) if maxnreg == "auto" else int(maxnreg)
     options = {"num_warps": num_warps, **({"maxnreg": cap} if cap else {})}
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
@@ -91,9 +92,10 @@ def main_loop(sass: str):
     return [text for a, text in instructions if start <= a <= end]
 
 
-def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1) -> dict:
+def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1,
+          maxnreg: str = "auto") -> dict:
     """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack."""
-    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps)
+    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg)
     cubin = compiled.asm["cubin"]
     loop = main_loop(_tool("nvdisasm", cubin, "-c"))
     usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
@@ -109,9 +111,11 @@ def main():
     ap.add_argument("--block", type=int, default=256, help="quantization block size")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90")
     ap.add_argument("--warps", type=int, default=1)
+    ap.add_argument("--maxnreg", default="auto",
+                    help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
-    c = count(args.dtype, args.bits, args.block, args.arch, args.warps)
+    c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg)
     if args.json:
         print(json.dumps(c))
         return

@@ -175,8 +175,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
     # fast sqrt and division: the parameter may differ from the compiled path by an ulp or two of its update;
     # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
     # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19; eps is 0 or normal, as Adam checks), where
-    # the reciprocal that flushes subnormals (one ulp) is exact in range and m * (1 / denom) is within two
-    # ulps, with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
+    # the reciprocal that flushes subnormals flushes nothing: it is within one ulp, m * (1 / denom) within two,
+    # with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
     denom = tl.sqrt(v) * inv_bc2 + eps
     if PTX:
         ratio = m * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32,

@@ -26,8 +26,8 @@ def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_
         raise ValueError(f"Invalid learning rate: {lr!r}")
     check_number("epsilon value", eps)
     if 0.0 < number("epsilon value", eps, tensor_ok=True) < _SMALLEST_NORMAL:
-        # the fused kernels take the reciprocal of the denominator flushing subnormals to zero (one instruction
-        # where a subnormal-safe one takes five): a subnormal eps would turn 0 / eps into 0 * inf = NaN
+        # the fused CUDA kernel takes the reciprocal of the denominator flushing subnormals to zero (one
+        # instruction; a subnormal-safe division takes six): a subnormal eps would turn 0 / eps into 0 * inf = NaN
         raise ValueError(f"Invalid epsilon value: {eps!r} is positive but below float32's smallest normal "
                          f"number, {_SMALLEST_NORMAL!r}: use 0 or a value at least that large")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):

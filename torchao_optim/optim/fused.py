@@ -41,8 +41,8 @@ MAXNREG = None  # where set, the register cap of every update kernel instead of 
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 and 120
 # registers for these two) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200
 # with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X): 4.5% and 6.6% faster than
-# uncapped. The other configurations gained 2% or less, within the spread between runs, and some caps spill
-# with Triton 3.9 (benchmarks/count_instructions.py reports it), so they are left to the compiler.
+# uncapped. The other two gained 2-3.5% in one measurement each, near the spread between runs, and their best
+# caps spill with Triton 3.9 (benchmarks/count_instructions.py reports it), so they are left to the compiler.
 REGISTER_CAPS = {(8, 2): 80, (4, 4): 104}
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
