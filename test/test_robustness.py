@@ -579,6 +579,26 @@ def _steps_with_grads(make_grad, n=6):
     return p.detach()
 
 
+def test_a_gradient_replaced_by_a_view_at_the_same_address_is_read_by_its_strides():
+    # p.grad = p.grad.t(), values written through the view: the address the plan holds is unchanged, the layout
+    # is not. The step must notice (every step checks contiguity, not only when an address changes).
+    def run(transposed_view):
+        p = torch.nn.Parameter(torch.randn(64, 64, generator=torch.Generator().manual_seed(5)))
+        opt = AdamW8bit([p], min_quant_size=0)
+        for i in range(6):
+            g = torch.randn(64, 64, generator=torch.Generator().manual_seed(i))
+            if transposed_view and i >= 2:
+                buffer = p.grad if i == 2 else buffer  # the gradient of step 1: contiguous, where the plan reads
+                p.grad = buffer.t().copy_(g)  # the values g at that address, column-major
+                assert not p.grad.is_contiguous() and p.grad.data_ptr() == buffer.data_ptr()
+            else:
+                p.grad = g
+            opt.step()
+        return p.detach()
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
+
+
 def test_a_gradient_that_moves_to_a_non_contiguous_tensor_is_read_by_its_strides():
     # the fused plans cache where each gradient is and read it as contiguous: one that moves to a transposed
     # layout (the same values) is planned again, onto the path that reads strides; before, the plan read its

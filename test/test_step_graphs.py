@@ -229,6 +229,14 @@ def test_the_short_way_replays_only_what_the_full_way_would(cpu_graphs):
     for _ in range(replay.REPEATS + 1):
         opt.step()
     assert way() == steady
+    g = params[0].grad  # a view at the same address, not contiguous: planned again
+    params[0].grad = g.as_strided(g.shape, (1, g.shape[0]))
+    assert way() == ("python", "full") and opt._plans[id(group)]["rest"] == [0]
+    params[0].grad = g  # contiguous again: the parameter stays on the compiled path until planned again
+    opt._plans[id(group)].clear()
+    for _ in range(replay.REPEATS + 1):
+        opt.step()
+    assert way() == steady and opt._plans[id(group)]["rest"] == []
     params[0].grad = params[0].grad.t().contiguous().t()  # moved, and not contiguous: planned again
     assert way() == ("python", "full") and opt._plans[id(group)]["rest"] == [0]
     params[1].grad = None

@@ -243,17 +243,18 @@ class GroupPlan:
 
     def refresh_grads(self, group_addresses: Optional[tuple] = None) -> bool:
         """Point the kernel at the gradients' current addresses (a copy only when one moved). Returns False,
-        changing nothing, when a moved gradient is not contiguous: the kernel would misread it, the parameter
-        must be planned again (it then takes the compiled path). ``group_addresses``: the addresses of the
-        gradients of the list the plan was made from, in its order, where the caller has them (this runs before
-        the step's first launch, for every parameter)."""
+        changing nothing, when a gradient is not contiguous (one that moved, or a view put in its place at the
+        same address, as ``p.grad = p.grad.t()``): the kernel would misread it, the parameter must be planned
+        again (it then takes the compiled path). ``group_addresses``: the addresses of the gradients of the list
+        the plan was made from, in its order, where the caller has them (this runs before the step's first
+        launch, for every parameter)."""
+        if not all(map(Tensor.is_contiguous, self._grads())):
+            return False
         if group_addresses is not None and not self.sharded:
             key = self.pick(group_addresses)
         else:
             key = tuple(map(Tensor.data_ptr, self._grads()))
         if key != self.grad_key:
-            if not all(map(Tensor.is_contiguous, self._grads())):
-                return False
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
                 if torch.cuda.is_current_stream_capturing():
