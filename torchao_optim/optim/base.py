@@ -574,9 +574,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return False
         if self._plans.get(id(group), {}).get("plans") is not steady.plans:
             return False  # planned again since (a step traced by torch.compile plans through the same cache)
-        if grads != steady.grad_addresses:  # moved: the plans' tables follow (outside the graph)
-            if not all([plan.refresh_grads(grads) for plan in steady.plans]):
-                return False  # a moved gradient is not contiguous: planned again
+        # the plans' tables follow moved gradients (outside the graph); a gradient that is not contiguous, moved
+        # or a view at the same address, sends the step the full way, which plans its parameter again
+        if not all([plan.refresh_grads(grads) for plan in steady.plans]):
+            return False
+        if grads != steady.grad_addresses:
             if tuple(plan.grads_aligned for plan in steady.plans) != steady.aligned:
                 return False  # the graph was captured for the other alignment: the signature differs
             steady.grad_addresses = grads

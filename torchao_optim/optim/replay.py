@@ -143,18 +143,16 @@ class Steady:
 
     def grads_if_unchanged(self, group: dict) -> Optional[tuple]:
         """The addresses of the gradients of ``group``'s parameters if nothing the recorded step depended on
-        differs, else None. (The gradients may have moved: the plans' tables follow them. A gradient that is not
-        contiguous, even at the same address, goes the full way, which plans its parameter again.)"""
+        differs, else None. (The gradients may have moved, or become views: the plans' refresh_grads follows
+        the first and refuses the second.)"""
         params = group["params"]
         if params is not self.params or tuple(group) != self.keys:
             return None
-        grads = tuple(map(_GRAD, params))
         try:  # a parameter without a gradient (None) or with a sparse one has no address
-            addresses = tuple(map(Tensor.data_ptr, grads))
+            grads = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
         except (TypeError, RuntimeError):
             return None
-        if (not all(map(Tensor.is_contiguous, grads)) or tuple(map(id, params)) != self.ids
-                or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
+        if (tuple(map(id, params)) != self.ids or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
                 or not all(map(operator.is_, self.settings(tuple(group.values())), self.values))):
             return None
-        return addresses
+        return grads
