@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import optimizers  # noqa: E402
-from benchmark_step import GEOMETRIES, WARM_S  # noqa: E402
+from benchmark_step import GEOMETRIES, draw_params, warm_up  # noqa: E402
 from torchao_optim.optim import replay  # noqa: E402
 
 
@@ -41,16 +41,10 @@ def replay_status(opt) -> str:
 
 
 def profile(name: str, shapes, dtype, steps: int) -> None:
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=dtype) * 0.02) for s in shapes]
-    for p in params:
-        p.grad = torch.randn_like(p) * 1e-3
-    opt = optimizers.build(name, params)
+    opt = optimizers.build(name, draw_params(shapes, dtype, "cuda"))
     for graphs in (False, True):
         replay.ENABLED = graphs
-        end = time.perf_counter() + WARM_S
-        while time.perf_counter() < end:
-            opt.step()
-            torch.cuda.synchronize()
+        warm_up(opt.step)
         host, event = [], []
         for _ in range(steps):
             t0 = time.perf_counter()

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchao_optim  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
-from benchmark_step import GEOMETRIES, WARM_S, copy_bandwidth, floor_bytes  # noqa: E402
+from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, warm_up  # noqa: E402
 from optimizers import state_nbytes, time_call  # noqa: E402
 
 
@@ -34,13 +34,7 @@ def main():
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    shapes = GEOMETRIES[args.geometry]()
-    gen = torch.Generator(device="cuda").manual_seed(0)  # drawn on the GPU: seconds, not a minute, for TinyLlama
-    params = []
-    for s in shapes:
-        p = torch.nn.Parameter((torch.randn(s, generator=gen, device="cuda") * 0.02).to(dtype))
-        p.grad = (torch.randn(s, generator=gen, device="cuda") * 1e-3).to(dtype)
-        params.append(p)
+    params = draw_params(GEOMETRIES[args.geometry](), dtype, "cuda")
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
@@ -50,10 +44,7 @@ def main():
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS = iters, prefetch, warps
         fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
-        end = time.perf_counter() + WARM_S  # as benchmark_step.py: the clocks rise under load
-        while time.perf_counter() < end:
-            opt.step()
-            torch.cuda.synchronize()
+        warm_up(opt.step)  # as benchmark_step.py: the clocks rise under load
         if floor is None:  # the format's own bytes moved, over the copy bandwidth
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
