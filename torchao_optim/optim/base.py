@@ -569,19 +569,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         steady = graph.steady if graph is not None else None
         if steady is None or not replay.ENABLED:
             return False
-        grads = steady.grads_if_unchanged(group)
-        if grads is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        found = steady.grads_if_unchanged(group)
+        if found is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
         if self._plans.get(id(group), {}).get("plans") is not steady.plans:
             return False  # planned again since (a step traced by torch.compile plans through the same cache)
         # the plans' tables follow moved gradients (outside the graph); a gradient that is not contiguous, moved
         # or a view at the same address, sends the step the full way, which plans its parameter again
-        if not all([plan.refresh_grads(grads) for plan in steady.plans]):
+        grads, addresses = found
+        if not all([plan.refresh_grads(addresses, grads) for plan in steady.plans]):
             return False
-        if grads != steady.grad_addresses:
+        if addresses != steady.grad_addresses:
             if tuple(plan.grads_aligned for plan in steady.plans) != steady.aligned:
                 return False  # the graph was captured for the other alignment: the signature differs
-            steady.grad_addresses = grads
+            steady.grad_addresses = addresses
         self._hyperparams(group, steady.device)
         graph.again()
         return True

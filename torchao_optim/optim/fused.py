@@ -241,14 +241,16 @@ class GroupPlan:
         grads = map(_GRAD, self.params)
         return map(local, grads) if self.sharded else grads
 
-    def refresh_grads(self, group_addresses: Optional[tuple] = None) -> bool:
+    def refresh_grads(self, group_addresses: Optional[tuple] = None, group_grads: Optional[tuple] = None) -> bool:
         """Point the kernel at the gradients' current addresses (a copy only when one moved). Returns False,
         changing nothing, when a gradient is not contiguous (one that moved, or a view put in its place at the
         same address, as ``p.grad = p.grad.t()``): the kernel would misread it, the parameter must be planned
-        again (it then takes the compiled path). ``group_addresses``: the addresses of the gradients of the list
-        the plan was made from, in its order, where the caller has them (this runs before the step's first
-        launch, for every parameter)."""
-        if not all(map(Tensor.is_contiguous, self._grads())):
+        again (it then takes the compiled path). ``group_addresses``, ``group_grads``: the addresses of the
+        gradients of the list the plan was made from, in its order, and those gradients, where the caller has
+        them (this runs before the step's first launch, for every parameter: reading ``p.grad`` costs more
+        than the checks)."""
+        grads = self.pick(group_grads) if group_grads is not None and not self.sharded else self._grads()
+        if not all(map(Tensor.is_contiguous, grads)):
             return False
         if group_addresses is not None and not self.sharded:
             key = self.pick(group_addresses)

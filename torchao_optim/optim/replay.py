@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -141,18 +141,19 @@ class Steady:
             return lambda values, i=positions[0]: (values[i],)
         return operator.itemgetter(*positions) if positions else (lambda values: ())
 
-    def grads_if_unchanged(self, group: dict) -> Optional[tuple]:
-        """The addresses of the gradients of ``group``'s parameters if nothing the recorded step depended on
+    def grads_if_unchanged(self, group: dict) -> Optional[Tuple[tuple, tuple]]:
+        """The gradients of ``group``'s parameters and their addresses if nothing the recorded step depended on
         differs, else None. (The gradients may have moved, or become views: the plans' refresh_grads follows
-        the first and refuses the second.)"""
+        the first and refuses the second, from these same tensors: each ``p.grad`` is read once a step.)"""
         params = group["params"]
         if params is not self.params or tuple(group) != self.keys:
             return None
+        grads = tuple(map(_GRAD, params))
         try:  # a parameter without a gradient (None) or with a sparse one has no address
-            grads = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
+            addresses = tuple(map(Tensor.data_ptr, grads))
         except (TypeError, RuntimeError):
             return None
         if (tuple(map(id, params)) != self.ids or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
                 or not all(map(operator.is_, self.settings(tuple(group.values())), self.values))):
             return None
-        return grads
+        return grads, addresses
