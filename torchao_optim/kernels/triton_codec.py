@@ -19,8 +19,10 @@ LIFT: tl.constexpr = tl.constexpr(2.0**64)
 
 
 @triton.jit
-def encode(y, level1, level2):
-    """Codes (int32) of ``y`` (fp32 in [-1, 1], no NaN): torchao_optim.quant.codec.encode, in Triton.
+def encode_high(y, level1, level2):
+    """The codes of ``y`` (fp32 in [-1, 1], no NaN) in the top byte of int32 words whose other bits are not
+    zero: torchao_optim.quant.codec.encode, in Triton (:func:`encode` shifts them down; an 8-bit store takes
+    the top bytes as they are).
 
     ``level1`` is ``BucketTables.level1_by_bits()`` (indexed by the sign and exponent bits as they are) and
     ``level2`` is ``BucketTables.level2_keyed()``: the candidate code and the key from which the code is one
@@ -30,10 +32,30 @@ def encode(y, level1, level2):
     bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
     entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
     key = (bits ^ (bits >> 31)) & 0x7FFFFF
-    packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31)))).to(tl.uint32, bitcast=True)
+    packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31))))
     # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly when
-    # key >= threshold (no compare and select)
-    return ((packed + key.to(tl.uint32, bitcast=True)) >> 24).to(tl.int32)
+    # key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
+    return packed + key
+
+
+@triton.jit
+def encode(y, level1, level2):
+    """Codes (int32) of ``y``: :func:`encode_high`'s top bytes."""
+    return (encode_high(y, level1, level2).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
+
+
+@triton.jit
+def _top_bytes(words, PTX: tl.constexpr):
+    """The top byte of each int32 of ``words``, as uint8. With PTX, four at a time by byte permutes, which
+    gather the top bytes straight into the word an 8-bit store writes (shifting each down first, then packing,
+    costs an instruction per element more)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x7773; prmt.b32 hi, $3, $4, 0x7773; "
+            "prmt.b32 $0, lo, hi, 0x5410; }",
+            "=r,r,r,r,r", [words], dtype=tl.uint8, is_pure=True, pack=4)
+    else:
+        return (words.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8)
 
 
 @triton.jit
@@ -109,7 +131,7 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
                 QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr):
+                VEC: tl.constexpr, PTX: tl.constexpr):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
@@ -134,10 +156,11 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
             y = tl.reshape(_by_block(x, QBLOCK, BLOCK) * lift[:, None] * inv[:, None], (BLOCK,))
         # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
         # top code: no clamp needed
-        code = encode(y, level1, level2)
         if BITS == 8:
-            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local, code.to(tl.uint8), mask=mask)
+            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local, _top_bytes(encode_high(y, level1, level2), PTX),
+                     mask=mask)
         else:
+            code = encode(y, level1, level2)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)

@@ -28,7 +28,7 @@ RULES = {"sgd": 0, "lion": 1}
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                    RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr):
+                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
@@ -62,7 +62,8 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
-    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC)
+    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
+                PTX)
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def momentum_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     ITERS: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-    S_QUANT: tl.constexpr, S_BITS: tl.constexpr,
+    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -100,18 +101,19 @@ def momentum_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS)
+                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
                        s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
-                       S_BITS)
+                       S_BITS, PTX)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
                     stochastic_round: bool = False) -> None:
     """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
     rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
+    from torchao_optim.optim.fused import _interpreter
     from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
 
     plan.steps.add_(1)
@@ -128,6 +130,6 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         ITERS=plan.iters,
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
-        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8),
+        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),
         num_warps=plan.num_warps,
     )
