@@ -45,7 +45,7 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
     constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
                      VEC=16 // (4 if dtype == "fp32" else 2), ITERS=ITERS, PREFETCH=PREFETCH, ALIGNED=True,
                      DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
-                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits)
+                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False)
     signature.update({name: "constexpr" for name in constants})
     names = adam_kernel.arg_names
     source = ASTSource(fn=adam_kernel, signature=signature,

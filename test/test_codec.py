@@ -70,6 +70,8 @@ def test_compiled_encoder_equals_search(case):
 @pytest.mark.skipif(not fused_available("cuda") and not fused_available("cpu"),
                     reason="needs Triton (a GPU, or its interpreter)")
 def test_kernel_encoder_equals_search(case):
+    """Also for negative inputs to a codebook without negative values, which the kernels' encoder reads with
+    its key's sign part left out."""
     from torchao_optim.kernels.triton_codec import quantize_nearest_triton
 
     name, codebook, never_zero, y, ref = case

@@ -146,7 +146,7 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
                  PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
-                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr):
+                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
@@ -187,9 +187,9 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
-                PTX)
+                PTX, M_SIGNED)
     store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC,
-                PTX)
+                PTX, V_SIGNED)
 
 
 @triton.jit
@@ -209,6 +209,7 @@ def adam_kernel(
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
+    M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -244,7 +245,7 @@ def adam_kernel(
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS)
+                     V_BITS, M_SIGNED, V_SIGNED)
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
@@ -254,4 +255,4 @@ def adam_kernel(
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS)
+                     V_BITS, M_SIGNED, V_SIGNED)

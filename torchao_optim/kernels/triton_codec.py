@@ -19,7 +19,7 @@ LIFT: tl.constexpr = tl.constexpr(2.0**64)
 
 
 @triton.jit
-def encode_high(y, level1, level2):
+def encode_high(y, level1, level2, SIGNED: tl.constexpr = True):
     """The codes of ``y`` (fp32 in [-1, 1], no NaN) in the top byte of int32 words whose other bits are not
     zero: torchao_optim.quant.codec.encode, in Triton (:func:`encode` shifts them down; an 8-bit store takes
     the top bytes as they are).
@@ -27,11 +27,16 @@ def encode_high(y, level1, level2):
     ``level1`` is ``BucketTables.level1_by_bits()`` (indexed by the sign and exponent bits as they are) and
     ``level2`` is ``BucketTables.level2_keyed()``: the candidate code and the key from which the code is one
     more, in one 4-byte load. The key is ``y``'s mantissa with its bits flipped for ``y < 0`` (one
-    exclusive-or with the sign spread over the word), so one addition decides for both signs.
+    exclusive-or with the sign spread over the word), so one addition decides for both signs. Not ``SIGNED``
+    (a codebook without negative values, ``StateLayout.signed``): every negative ``y`` has one code whatever
+    its key, the flip is left out (an instruction per element).
     """
     bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
     entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
-    key = (bits ^ (bits >> 31)) & 0x7FFFFF
+    if SIGNED:
+        key = (bits ^ (bits >> 31)) & 0x7FFFFF
+    else:
+        key = bits & 0x7FFFFF
     packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31))))
     # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly when
     # key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
@@ -39,9 +44,9 @@ def encode_high(y, level1, level2):
 
 
 @triton.jit
-def encode(y, level1, level2):
+def encode(y, level1, level2, SIGNED: tl.constexpr = True):
     """Codes (int32) of ``y``: :func:`encode_high`'s top bytes."""
-    return (encode_high(y, level1, level2).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
+    return (encode_high(y, level1, level2, SIGNED).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -131,7 +136,7 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
                 QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr, PTX: tl.constexpr):
+                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
@@ -157,10 +162,10 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
         # top code: no clamp needed
         if BITS == 8:
-            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local, _top_bytes(encode_high(y, level1, level2), PTX),
-                     mask=mask)
+            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
+                     _top_bytes(encode_high(y, level1, level2, SIGNED), PTX), mask=mask)
         else:
-            code = encode(y, level1, level2)
+            code = encode(y, level1, level2, SIGNED)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)
@@ -179,16 +184,17 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
 
 
 @triton.jit
-def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr):
+def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, encode(y, level1, level2).to(tl.uint8), mask=mask)
+    tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED).to(tl.uint8), mask=mask)
 
 
 def quantize_nearest_triton(y, codebook, never_zero: bool = False):
     """``torchao_optim.quant.quantize_nearest`` through the kernels' encoder (for tests): uint8 codes of ``y``
-    (fp32 in [-1, 1], contiguous, on a device the kernels run on)."""
+    (fp32 in [-1, 1], contiguous, on a device the kernels run on), specialized as the fused kernels are for the
+    codebook's sign (``StateLayout.signed``)."""
     import torch
 
     from torchao_optim.quant import bucket_tables
@@ -197,5 +203,6 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False):
     level1, level2 = tables.level1_by_bits().to(y.device), tables.level2_keyed().to(y.device)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
-    _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block)
+    _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,
+                                                     SIGNED=min(codebook) < 0)
     return out

@@ -28,7 +28,7 @@ RULES = {"sgd": 0, "lion": 1}
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                    RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr):
+                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
@@ -63,7 +63,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
-                PTX)
+                PTX, S_SIGNED)
 
 
 @triton.jit
@@ -80,7 +80,7 @@ def momentum_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     ITERS: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr,
+    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -101,12 +101,12 @@ def momentum_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX)
+                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX, S_SIGNED)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
                        s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
-                       S_BITS, PTX)
+                       S_BITS, PTX, S_SIGNED)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
@@ -131,5 +131,6 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),
+        S_SIGNED=getattr(layout, "signed", True),
         num_warps=plan.num_warps,
     )

@@ -312,6 +312,7 @@ class GroupPlan:
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
+            M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
             num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
         )
 

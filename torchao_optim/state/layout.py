@@ -42,6 +42,13 @@ class StateLayout:
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 2:
             raise ValueError(f"StateLayout.block_size must be a positive even int, got {self.block_size!r}")
 
+    @property
+    def signed(self) -> bool:
+        """Whether the codebook holds a negative value. Without one, every negative input encodes to one code
+        (the smallest, or the smallest nonzero with ``never_zero``), whatever its mantissa: the fused kernels'
+        encoder then skips the sign's part of its key."""
+        return self.codebook[0] < 0
+
     def code_bytes(self, numel: int) -> int:
         """Bytes of codes for ``numel`` elements."""
         return numel if self.bits == 8 else (numel + 1) // 2
