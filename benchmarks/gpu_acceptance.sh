@@ -26,10 +26,12 @@ fi
 if has ncu && command -v ncu >/dev/null; then
     # launch 4 is the third step's large quantized plan on TinyLlama (each step launches the quantized plan
     # and the plain-state plan of the norm weights)
+    # (the ALU pipe's share: integer and logic instructions issue at half rate, and it was the busiest pipe)
     ncu --clock-control none --kernel-name adam_kernel --launch-skip 4 --launch-count 1 --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section InstructionStats python benchmarks/tune_fused.py --geometry llama_1b \
-        --iters 8 --prefetch 1 --warps 1 --steps 2 > "$OUT/ncu.txt" 2>&1
-    grep -E "DRAM Throughput|Duration|Compute \(SM\)|Registers Per|Theoretical Occ|Achieved Occ|Issued Instructions  " \
+        --section LaunchStats --section InstructionStats --section ComputeWorkloadAnalysis \
+        --metrics sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active \
+        python benchmarks/tune_fused.py --geometry llama_1b --iters 8 --prefetch 1 --warps 1 --steps 2 > "$OUT/ncu.txt" 2>&1
+    grep -E "DRAM Throughput|Duration|Compute \(SM\)|Registers Per|Theoretical Occ|Achieved Occ|Issued Instructions  |pipe_" \
         "$OUT/ncu.txt"
 fi
 if has step; then
