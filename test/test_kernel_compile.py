@@ -5,7 +5,7 @@ so a construct the compiler rejects (a branch compiled for a shape it does not f
 on the first GPU. Here the Adam kernel is compiled to SASS for sm_90 (Triton's CUDA backend and its bundled
 tools, no GPU) in the configurations the built-in formats use, in a process of its own without the
 interpreter, under the register cap the planner gives it (``optim.fused.REGISTER_CAPS``), and must not spill
-registers to the stack.
+registers to the stack. The one-state kernel (SGD, Lion) is compiled the same way, for its inline PTX.
 """
 import importlib.util
 import json
@@ -40,3 +40,41 @@ def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["stack_bytes"] == 0, stats
     assert stats["instructions"] > 0 and stats["per_thread"] == 8, stats
+
+
+_MOMENTUM = """
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from torchao_optim.kernels.triton_momentum import momentum_kernel
+
+dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
+signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
+             "prog_block": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32", "s_level1": "*i32",
+             "s_level2": "*i32"}
+block = 256 if bits == 8 else 128
+constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=256, VEC=16 // (4 if dtype == "fp32" else 2),
+                 ITERS=8, ALIGNED=True, RULE=rule, NESTEROV=False, MAXIMIZE=False, SR=False, S_QUANT=True,
+                 S_BITS=bits, PTX=True, S_SIGNED=True)
+signature.update({name: "constexpr" for name in constants})
+names = momentum_kernel.arg_names
+source = ASTSource(fn=momentum_kernel, signature=signature,
+                   constexprs={(names.index(k),): v for k, v in constants.items()})
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+print(len(compiled.asm["cubin"]))
+"""
+
+
+@pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
+@pytest.mark.parametrize("dtype,bits,rule", [("fp32", 8, 0), ("bf16", 8, 1), ("fp32", 4, 1)])
+def test_momentum_kernel_compiles_for_sm90(dtype, bits, rule):
+    """The one-state kernel (SGD with momentum, Lion), with its inline PTX, compiles too."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), str(rule)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) > 0
