@@ -26,12 +26,25 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto"):
-    import torch
+def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num_warps: int = 1,
+                   maxnreg=None):
+    """``kernel`` (a ``triton.jit`` function) compiled for sm_``arch`` with Triton's CUDA backend, no GPU needed:
+    ``signature`` types its tensor and scalar arguments (``"*fp32"``, ...), ``constants`` gives its constexprs."""
     import triton
-    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    signature = dict(signature, **{name: "constexpr" for name in constants})
+    names = kernel.arg_names
+    source = ASTSource(fn=kernel, signature=signature,
+                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto"):
+    import torch
+    import triton.language as tl
 
     from torchao_optim.kernels.triton_adam import adam_kernel
     from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH, register_cap
@@ -46,16 +59,11 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
                      VEC=16 // (4 if dtype == "fp32" else 2), ITERS=ITERS, PREFETCH=PREFETCH, ALIGNED=True,
                      DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
                      M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False)
-    signature.update({name: "constexpr" for name in constants})
-    names = adam_kernel.arg_names
-    source = ASTSource(fn=adam_kernel, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constants.items()})
     # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
     param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize
     cap = register_cap((layout, layout), param_bytes) if maxnreg == "auto" else int(maxnreg)
-    options = {"num_warps": num_warps, **({"maxnreg": cap} if cap else {})}
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = compile_kernel(adam_kernel, signature, constants, arch, num_warps, cap)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 
 

@@ -44,10 +44,8 @@ def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
 
 _MOMENTUM = """
 import sys
-import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
 
 dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -55,16 +53,10 @@ param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
              "prog_block": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32", "s_level1": "*i32",
              "s_level2": "*i32"}
-block = 256 if bits == 8 else 128
-constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=256, VEC=16 // (4 if dtype == "fp32" else 2),
-                 ITERS=8, ALIGNED=True, RULE=rule, NESTEROV=False, MAXIMIZE=False, SR=False, S_QUANT=True,
-                 S_BITS=bits, PTX=True, S_SIGNED=True)
-signature.update({name: "constexpr" for name in constants})
-names = momentum_kernel.arg_names
-source = ASTSource(fn=momentum_kernel, signature=signature,
-                   constexprs={(names.index(k),): v for k, v in constants.items()})
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
-print(len(compiled.asm["cubin"]))
+constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
+                 VEC=16 // (4 if dtype == "fp32" else 2), ITERS=8, ALIGNED=True, RULE=rule, NESTEROV=False,
+                 MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True)
+print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 """
 
 
