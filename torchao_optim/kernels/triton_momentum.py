@@ -101,7 +101,8 @@ def momentum_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX, S_SIGNED)
+                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
+                       S_SIGNED)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,

@@ -249,13 +249,13 @@ class GroupPlan:
         gradients of the list the plan was made from, in its order, and those gradients, where the caller has
         them (this runs before the step's first launch, for every parameter: reading ``p.grad`` costs more
         than the checks)."""
-        grads = self.pick(group_grads) if group_grads is not None and not self.sharded else self._grads()
+        grads = self.pick(group_grads) if group_grads is not None and not self.sharded else tuple(self._grads())
         if not all(map(Tensor.is_contiguous, grads)):
             return False
         if group_addresses is not None and not self.sharded:
             key = self.pick(group_addresses)
         else:
-            key = tuple(map(Tensor.data_ptr, self._grads()))
+            key = tuple(map(Tensor.data_ptr, grads))
         if key != self.grad_key:
             host = torch.tensor(key, dtype=torch.int64)
             if self.grad_ptrs.is_cuda:  # pinned: the copy does not wait; the host allocator keeps it alive
