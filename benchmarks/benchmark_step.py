@@ -2,7 +2,12 @@
 
 For each parameter geometry and dtype it measures, for every optimizer in one run:
 - the step time (median after warm-up: ``--warmup`` steps, then on a GPU ``WARM_S`` seconds of steps, the time an
-  idle GPU's clocks take to rise; CUDA events on a GPU, wall clock on a CPU),
+  idle GPU's clocks take to rise; wall clock on a CPU). On a GPU, ``step ms`` is the time per step a training loop
+  sustains: the larger of ``device ms``, CUDA events around the step queued behind a GPU spin that covers the
+  host's part (as a training loop queues the step behind backward's kernels: the step's own time on the device,
+  which the floor bounds), and ``host ms``, the call's wall time (a step whose host is slower is host-bound).
+  ``alone ms`` is the step from an idle GPU, the host's time before its first kernel included: what one step
+  costs with nothing queued before it,
 - the first step (compile included; caches are cold unless --warm-cache),
 - the step time when the learning rate changes every step (as a Python float, like a scheduler),
 - optimizer-state bytes per parameter and the step's transient peak memory (CUDA),
@@ -133,6 +138,20 @@ def warm_up(step: Callable[[], None]) -> None:
         torch.cuda.synchronize()
 
 
+def step_times(step: Callable[[], None], device: str, steps: int) -> Dict[str, float]:
+    """Medians over ``steps`` calls of ``step``, in ms: ``alone`` (CUDA events from an idle GPU, the host's time
+    before the first kernel included), ``host`` (the call's wall time), ``device`` (events around the step queued
+    behind a GPU spin that covers the host's time: the step's own time on the device) and ``step``, the larger of
+    ``device`` and ``host``: the time per step a training loop sustains (host-bound where the host is slower).
+    On a CPU all four are the wall time."""
+    alone, host = zip(*(optimizers.timed(step, device) for _ in range(steps)))
+    spin_s = 2 * max(host) + 2e-4
+    device_s = [optimizers.timed(step, device, spin_s)[0] for _ in range(steps)] if device == "cuda" else alone
+    out = dict(alone=statistics.median(alone), host=statistics.median(host), device=statistics.median(device_s))
+    out["step"] = max(out["device"], out["host"])
+    return {k: 1e3 * v for k, v in out.items()}
+
+
 def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
     torch._dynamo.reset()
     params = draw_params(shapes, dtype, device)
@@ -142,7 +161,7 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
         opt.step()
     if device == "cuda":
         warm_up(opt.step)
-    times = [optimizers.time_call(opt.step, device) for _ in range(steps)]
+    times = step_times(opt.step, device, steps)
 
     def step_new_lr(i=[0]):
         i[0] += 1
@@ -150,9 +169,10 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
         opt.step()
 
     step_new_lr()
-    lr_times = [optimizers.time_call(step_new_lr, device) for _ in range(steps)]
-    out = dict(name=name, first_step_s=first, step_ms=1e3 * statistics.median(times),
-               step_lr_change_ms=1e3 * statistics.median(lr_times), state_bytes=optimizers.state_nbytes(opt))
+    out = dict(name=name, first_step_s=first, step_ms=times["step"], device_ms=times["device"],
+               host_ms=times["host"], alone_ms=times["alone"],
+               step_lr_change_ms=step_times(step_new_lr, device, steps)["step"],
+               state_bytes=optimizers.state_nbytes(opt))
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -231,15 +251,16 @@ def main(argv=None):
                          state_bytes_per_param=r["state_bytes"] / n_params)
                 rows.append(r)
             fused = next((r["step_ms"] for r in rows if optimizers.resolve(r["name"]) == "AdamWTorchFused"), None)
-            print("| optimizer | step ms | floor ms | x floor | x torch fused | lr-change ms | first step s | "
-                  "state B/param |" + (" transient MB |" if device == "cuda" else ""))
-            print("|---|---|---|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
+            print("| optimizer | step ms | floor ms | x floor | x torch fused | lr-change ms | device ms | host ms | "
+                  "alone ms | first step s | state B/param |" + (" transient MB |" if device == "cuda" else ""))
+            print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
             for r in rows:
                 r["x_floor"] = r["step_ms"] / r["floor_ms"]
                 r["x_torch_fused"] = r["step_ms"] / fused if fused else None
                 x_fused = "" if r["x_torch_fused"] is None else f"{r['x_torch_fused']:.2f}"
                 print(f"| {r['name']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {x_fused} | "
-                      f"{r['step_lr_change_ms']:.3f} | {r['first_step_s']:.1f} | "
+                      f"{r['step_lr_change_ms']:.3f} | {r['device_ms']:.3f} | {r['host_ms']:.3f} | {r['alone_ms']:.3f} | "
+                      f"{r['first_step_s']:.1f} | "
                       f"{r['state_bytes_per_param']:.2f} |"
                       + (f" {r['transient_peak_mb']:.1f} |" if device == "cuda" else ""))
             results += rows

@@ -42,7 +42,7 @@ from torchao_optim.optim.sharded import is_dtensor  # noqa: E402
 from torchao_optim.state import QuantizedState  # noqa: E402
 
 __all__ = ["OptimizerEntry", "optimizer_table", "resolve", "build", "missing_package", "state_nbytes",
-           "state_bytes_per_element", "lr_at", "set_lr", "time_call", "wall_time", "ALIASES"]
+           "state_bytes_per_element", "lr_at", "set_lr", "time_call", "timed", "wall_time", "ALIASES"]
 
 
 @dataclass(frozen=True)
@@ -278,17 +278,51 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def time_call(fn: Callable[[], object], device: str) -> float:
-    """Seconds ``fn()`` takes: CUDA events on a GPU (device time), the wall clock elsewhere."""
-    if str(device).startswith("cuda"):
+    """Seconds ``fn()`` takes: CUDA events on a GPU (device time, from an idle GPU: the host's time before
+    ``fn``'s first kernel counts; :func:`timed` can leave it out), the wall clock elsewhere."""
+    return timed(fn, device)[0]
+
+
+_SLEEP_CYCLES_PER_S: List[float] = []
+
+
+def _gpu_cycles_per_second() -> float:
+    """Clock cycles per second of ``torch.cuda._sleep``'s spin, measured once per process."""
+    if not _SLEEP_CYCLES_PER_S:
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)  # the first call loads the kernel
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        torch.cuda._sleep(cycles)
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        _SLEEP_CYCLES_PER_S.append(cycles / (start.elapsed_time(end) / 1e3))
+    return _SLEEP_CYCLES_PER_S[0]
+
+
+def timed(fn: Callable[[], object], device: str, spin_s: float = 0.0) -> Tuple[float, float]:
+    """``(device seconds, host seconds)`` of ``fn()``. On a GPU the device time is taken with CUDA events around
+    ``fn``; with ``spin_s`` a spin of the GPU (``torch.cuda._sleep``) of that long is queued first, so that the host
+    queues ``fn``'s work before the start event is reached: ``fn``'s own time on the device, as in a training loop
+    where the step is queued behind backward's kernels (if the host takes longer than the spin, its excess counts,
+    as it would stall that loop). Without it the GPU is idle when ``fn`` is called, and the host's time before
+    ``fn``'s first kernel counts. The host time is the wall time of the call itself. Elsewhere both are the wall
+    time."""
+    if not str(device).startswith("cuda"):
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        return t, t
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if spin_s:
+        torch.cuda._sleep(int(_gpu_cycles_per_second() * min(spin_s, 0.2)))
+    start.record()
     t0 = time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3, host
 
 
 def wall_time(fn: Callable[[], object], device: str) -> float:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -17,8 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchao_optim  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
-from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, warm_up  # noqa: E402
-from optimizers import state_nbytes, time_call  # noqa: E402
+from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, step_times, warm_up  # noqa: E402
+from optimizers import state_nbytes  # noqa: E402
 
 
 def main():
@@ -50,14 +48,8 @@ def main():
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
             print("| iters | prefetch | warps | maxnreg | step ms | x floor | host ms | regs | spills |")
             print("|---|---|---|---|---|---|---|---|---|")
-        times = [time_call(opt.step, "cuda") for _ in range(args.steps)]
-        ms = 1e3 * statistics.median(times)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(args.steps):  # the host's share: enqueueing without waiting
-            opt.step()
-        host_ms = 1e3 * (time.perf_counter() - t0) / args.steps
-        torch.cuda.synchronize()
+        times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
+        ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
