@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import torchao_optim
+import torchao_optim.optim.fused as fused_mod
 from torchao_optim.optim.fused import MIN_TILE, fused_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,3 +52,31 @@ def test_blocks_sharing_a_tile_or_spanning_warps_store_what_the_update_stores(fm
                     assert torch.allclose(x, y, rtol=0.02, atol=0), (key, name)
                 else:
                     assert (x != y).float().mean().item() < 0.02, (key, name)
+
+
+def test_small_plans_spread_their_tiles_over_more_programs():
+    # ViT-B's 1-D tensors (biases and norms, about 120K elements) on a GPU of 132 SMs: 125 programs of 8 tiles
+    # would leave most SMs idle, so each takes one tile; TinyLlama's matrices keep 8 tiles per program
+    small = torch.tensor([768] * 96 + [2304] * 12 + [3072] * 12)
+    assert fused_mod.spread_iters(small, 256, 8 * 132) == 1
+    assert fused_mod.spread_iters(torch.tensor([2048 * 5632] * 66), 256, 8 * 132) == fused_mod.ITERS
+    assert fused_mod.spread_iters(torch.tensor([2048 * 300]), 256, 600) == 4  # 300 programs of 8, 600 of 4
+    assert fused_mod.spread_iters(small, 256, 0) == fused_mod.ITERS
+
+
+@pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")
+@pytest.mark.parametrize("fmt,block", [("dtq8", 256), ("4bit", 128)])
+def test_tiles_per_program_change_no_bit(fmt, block, monkeypatch):
+    # Spreading a plan over more programs changes which program updates a tile, not how: the same bits.
+    runs = []
+    for min_programs in (0, 10**6):  # ITERS tiles per program (tensors of 12 tiles: a whole program, then part
+        monkeypatch.setattr(fused_mod, "MIN_PROGRAMS", min_programs)  # of one), then one tile per program
+        params, opt = _steps(True, fmt, block)
+        runs.append((opt._group_plans(opt.param_groups[0])["plans"][0].iters, params, opt))
+    (iters_a, params_a, opt_a), (iters_b, params_b, opt_b) = runs
+    assert (iters_a, iters_b) == (fused_mod.ITERS, 1)
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq"):
+            a, b = opt_a.state[p][key], opt_b.state[q][key]
+            assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in a.data_fields()), key

@@ -47,6 +47,12 @@ REGISTER_CAPS = {(8, 2): 80, (4, 4): 104}
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
+# A plan with fewer programs than this walks fewer tiles per program (ITERS halved until it has as many, or one
+# tile each): its programs walk their tiles one after another, so a small plan on a large GPU is latency-bound.
+# None: 8 per SM on CUDA (an H200 holds about 24 one-warp programs per SM), none elsewhere (Triton's interpreter
+# runs programs one at a time). Measured on an H200 (benchmarks/README.md): ViT-B's plan of its 1-D tensors
+# (fp32 state), 125 programs of 8 tiles, took 7.5 us.
+MIN_PROGRAMS: Optional[int] = None
 
 
 def _interpreter() -> bool:
@@ -189,7 +195,9 @@ class GroupPlan:
         # and the absmax reductions, are then shared by more elements). NUM_WARPS per 256 elements of a tile: larger
         # blocks get more threads, not more registers per thread.
         self.tile = max(self.block, MIN_TILE)
-        self.iters, self.prefetch, self.num_warps = ITERS, PREFETCH, max(1, NUM_WARPS * self.tile // 256)
+        numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
+        self.iters = spread_iters(numels, self.tile, _min_programs(device))
+        self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
@@ -202,9 +210,7 @@ class GroupPlan:
         self.grad_key: tuple = ()
         self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
         self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
-        numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
-        span = self.tile * self.iters  # elements per program
-        programs = (numels + span - 1) // span
+        programs = _programs(numels, self.tile * self.iters)
         self.n_programs = int(programs.sum())
         starts = torch.cumsum(programs, 0) - programs
         self.prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs).to(device)
@@ -315,6 +321,28 @@ class GroupPlan:
             M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
             num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
         )
+
+
+def _programs(numels: Tensor, span: int) -> Tensor:
+    """Programs per tensor of ``numels`` elements, each walking ``span`` elements (a tensor's last, fewer)."""
+    return (numels + span - 1) // span
+
+
+def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
+    """Tiles per program for a plan of tensors of ``numels`` elements: :data:`ITERS`, halved while the plan would
+    have fewer than ``min_programs`` programs (down to one tile each)."""
+    iters = ITERS
+    while iters > 1 and int(_programs(numels, tile * iters).sum()) < min_programs:
+        iters //= 2
+    return iters
+
+
+def _min_programs(device: torch.device) -> int:
+    if MIN_PROGRAMS is not None:
+        return MIN_PROGRAMS
+    if device.type != "cuda":
+        return 0
+    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def register_cap(layouts, param_bytes: int) -> Optional[int]:
