@@ -80,3 +80,28 @@ def test_tiles_per_program_change_no_bit(fmt, block, monkeypatch):
         for key in ("exp_avg", "exp_avg_sq"):
             a, b = opt_a.state[p][key], opt_b.state[q][key]
             assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in a.data_fields()), key
+
+
+@pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")
+def test_one_coefficients_launch_serves_every_plan_of_a_group():
+    # quantized states for the larger tensors, plain fp32 ones under min_quant_size: two plans, whose step counts
+    # and coefficients one launch advances and computes, the first plan's
+    def run(fused):
+        gen = torch.Generator().manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
+        opt = torchao_optim.AdamW(params, lr=1e-2, min_quant_size=1000, fused=fused, compile=False)
+        for _ in range(3):
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(DEVICE)
+            opt.step()
+        return params, opt
+
+    params, opt = run(True)
+    plans = opt._group_plans(opt.param_groups[0])["plans"]
+    assert len(plans) == 2 and plans[1].coefs_for is None
+    steps, coefs = plans[0].coefs_for
+    assert steps.numel() == len(params) and coefs.shape[0] == len(params)
+    assert all(opt.state[p]["step"].item() == 3 for p in params)
+    ref_params, _ = run(False)
+    for p, q in zip(params, ref_params):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7 if DEVICE == "cpu" else 1e-3), (p - q).abs().max()
