@@ -259,7 +259,8 @@ def main(argv=None):
                 r["x_torch_fused"] = r["step_ms"] / fused if fused else None
                 x_fused = "" if r["x_torch_fused"] is None else f"{r['x_torch_fused']:.2f}"
                 print(f"| {r['name']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {x_fused} | "
-                      f"{r['step_lr_change_ms']:.3f} | {r['device_ms']:.3f} | {r['host_ms']:.3f} | {r['alone_ms']:.3f} | "
+                      f"{r['step_lr_change_ms']:.3f} | {r['device_ms']:.3f} | {r['host_ms']:.3f} | "
+                      f"{r['alone_ms']:.3f} | "
                       f"{r['first_step_s']:.1f} | "
                       f"{r['state_bytes_per_param']:.2f} |"
                       + (f" {r['transient_peak_mb']:.1f} |" if device == "cuda" else ""))

@@ -11,6 +11,7 @@ the step's kernels from ``torch.profiler`` (their GPU time per step, whatever th
 runs ``benchmark_step.WARM_S`` seconds of steps, as the step benchmark does.
 
     python benchmarks/profile_step.py --geometry vit_b --dtype fp32 --optims AdamW-dtq8,AdamW-4bit
+    python benchmarks/profile_step.py --geometry vit_b --dtype bf16 --optims AdamW-dtq8 --timeline
 """
 from __future__ import annotations
 
@@ -74,6 +75,35 @@ def profile(name: str, shapes, dtype, steps: int) -> None:
         print(f"  {e.key[:60]:60s} {e.count / n:5.1f} per step  {e.device_time_total / n / 1e3:.3f} ms")
 
 
+def timeline(name: str, shapes, dtype, steps: int = 6) -> None:
+    """Each kernel of ``steps`` steps, each step queued behind a GPU spin (as behind backward's kernels): when it
+    starts after the spin ends and how long it takes, in us (``torch.profiler``'s trace)."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    opt = optimizers.build(name, draw_params(shapes, dtype, "cuda"))
+    warm_up(opt.step)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            torch.cuda._sleep(4_000_000)
+            opt.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        with open(os.path.join(tmp, "trace.json")) as fh:
+            events = [e for e in json.load(fh)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    print(f"{name} timeline: us after the spin, duration, kernel, grid")
+    end = None
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if "spin" in e["name"]:
+            end = e["ts"] + e["dur"]
+            print("  ---")
+        elif end is not None:
+            print(f"  +{e['ts'] - end:8.1f} {e['dur']:9.1f}  {e['name'][:50]:50s} {e.get('args', {}).get('grid')}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="vit_b", choices=sorted(GEOMETRIES))
@@ -81,13 +111,18 @@ def main(argv=None):
     ap.add_argument("--optims", default="AdamW-dtq8", help="comma list of optimizers.py names "
                     "(AdamWCompiled-<format>: the per-parameter compiled path)")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--timeline", action="store_true",
+                    help="print each kernel of six steps queued behind a GPU spin, with its start and duration")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     print(f"# {args.geometry} {args.dtype}, torch {torch.__version__} on {torch.cuda.get_device_name()}")
     for name in args.optims.split(","):
-        profile(name, GEOMETRIES[args.geometry](), dtype, args.steps)
+        if args.timeline:
+            timeline(name, GEOMETRIES[args.geometry](), dtype)
+        else:
+            profile(name, GEOMETRIES[args.geometry](), dtype, args.steps)
 
 
 if __name__ == "__main__":
