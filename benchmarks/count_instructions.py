@@ -108,8 +108,12 @@ def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, 
     loop = main_loop(_tool("nvdisasm", cubin, "-c"))
     usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
     opcodes = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]).split(".")[0] for t in loop)
+    # global loads and stores of single bytes: a thread's codes are 4 or 8 contiguous bytes, one access when the
+    # compiler can prove the mask the same for all of them
+    byte_accesses = sum(1 for t in loop if re.search(r"\b[LS]TG\.E\.U8\b", t))
     return dict(instructions=len(loop), per_thread=per_thread, per_element=len(loop) / per_thread,
-                opcodes=opcodes, registers=int(usage.group(1)), stack_bytes=int(usage.group(2)))
+                opcodes=opcodes, registers=int(usage.group(1)), stack_bytes=int(usage.group(2)),
+                byte_accesses=byte_accesses)
 
 
 def main():
@@ -128,7 +132,8 @@ def main():
         print(json.dumps(c))
         return
     print(f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
-          f"{c['registers']} registers, {c['stack_bytes']} bytes of stack")
+          f"{c['registers']} registers, {c['stack_bytes']} bytes of stack, {c['byte_accesses']} single-byte "
+          f"global loads and stores in the loop")
     print(f"main loop: {c['instructions']} instructions for {c['per_thread']} elements per thread, "
           f"{c['per_element']:.1f} per element")
     print("by opcode:", ", ".join(f"{op} {n}" for op, n in c["opcodes"].most_common()))
