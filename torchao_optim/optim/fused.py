@@ -352,10 +352,10 @@ def _min_programs(device: torch.device) -> int:
 
 
 def _share_coefficients(plans: List[GroupPlan]) -> None:
-    """One coefficients launch for every Adam plan of a group on a CUDA device, made by the first one's launch (the
-    plans of a group are launched together, in order): their step counts and coefficient rows become slices of
-    one buffer each. Each launch is a kernel the next one waits for (about 2 us on an H200, on a step of ViT-B's
-    0.3 ms with its two plans, quantized states and the plain states of its 1-D tensors)."""
+    """One coefficients launch for every Adam plan of a group on a device (the Triton executor's), made by the
+    first one's launch (the plans of a group are launched together, in order): their step counts and coefficient
+    rows become slices of one buffer each. Each launch is a kernel the next one waits for (about 2 us on an H200,
+    on a step of ViT-B's 0.3 ms with its two plans, quantized states and the plain states of its 1-D tensors)."""
     by_device: Dict[torch.device, List[GroupPlan]] = {}
     for plan in plans:
         if plan.executor == "triton" and plan.rule.name == "adam":
