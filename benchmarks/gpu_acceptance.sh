@@ -16,7 +16,8 @@ export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
     python -m pytest test/test_cuda.py test/test_codec.py test/test_fused_coefficients.py test/test_rounding.py \
-        test/test_one_state_optimizers.py test/test_step_graphs.py test/test_fused_tiles.py -q 2>&1 | tail -5 | tee "$OUT/tests.txt"
+        test/test_one_state_optimizers.py test/test_step_graphs.py test/test_fused_tiles.py \
+        test/test_benchmark_step.py -q 2>&1 | tail -5 | tee "$OUT/tests.txt"
     # a user's torch.compile of a train step over our step, also under CUDA-graph capture (reduce-overhead)
     python -m pytest test/test_compiled_step.py -q -k cuda 2>&1 | tail -3 | tee -a "$OUT/tests.txt"
     # the conformance cases on the fused executor, on the GPU: every format and every optimizer
