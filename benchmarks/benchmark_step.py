@@ -146,7 +146,8 @@ def step_times(step: Callable[[], None], device: str, steps: int) -> Dict[str, f
     On a CPU all four are the wall time."""
     alone, host = zip(*(optimizers.timed(step, device) for _ in range(steps)))
     spin_s = 2 * max(host) + 2e-4
-    device_s = [optimizers.timed(step, device, spin_s)[0] for _ in range(steps)] if device == "cuda" else alone
+    on_gpu = str(device).startswith("cuda")
+    device_s = [optimizers.timed(step, device, spin_s)[0] for _ in range(steps)] if on_gpu else alone
     out = dict(alone=statistics.median(alone), host=statistics.median(host), device=statistics.median(device_s))
     out["step"] = max(out["device"], out["host"])
     return {k: 1e3 * v for k, v in out.items()}

@@ -54,8 +54,7 @@ def main():
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
         print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {ms:.3f} | {ms / floor:.2f} "
-              f"| {host_ms:.3f} "
-              f"| {regs} | {spills} |")
+              f"| {host_ms:.3f} | {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()
 

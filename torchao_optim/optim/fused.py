@@ -220,12 +220,9 @@ class GroupPlan:
         # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
         # executor advances each state's own counter instead (a few microseconds there), so that a state shared
         # between processes (torch.multiprocessing, Hogwild) counts every process's steps.
-        self.steps = torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states])
         self.states = states
-        if self.executor != "cpu":
-            for i, s in enumerate(states):
-                s["step"] = _alias0d(self.steps, i)
-        self.coefs = torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device)
+        self.use_counters(torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states]),
+                          torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device))
         # (step counts, coefficient rows) that this plan's Adam launch advances and computes first: its own, or
         # those of every Adam plan of its group on its device (None: another plan's launch computes them)
         self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
@@ -240,6 +237,14 @@ class GroupPlan:
                                        dtype=torch.int64).reshape(-1, 2).to(device)
         self.bf16 = param_dtype == torch.bfloat16
         self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
+
+    def use_counters(self, steps: Tensor, coefs: Tensor) -> None:
+        """Hold the step counts in ``steps`` (each state's ``"step"`` then aliases its element, except on the CPU
+        executor) and the coefficient rows in ``coefs``."""
+        self.steps, self.coefs = steps, coefs
+        if self.executor != "cpu":
+            for i, s in enumerate(self.states):
+                s["step"] = _alias0d(steps, i)
 
     def rounds(self, stochastic_round: bool) -> bool:
         """Whether the kernel writes the parameters with stochastic rounding: asked for, and bf16 parameters."""
@@ -368,9 +373,8 @@ def _share_coefficients(plans: List[GroupPlan]) -> None:
         start = 0
         for plan in same:
             n = len(plan.params)
-            plan.steps, plan.coefs, plan.coefs_for = steps[start:start + n], coefs[start:start + n], None
-            for i, s in enumerate(plan.states):
-                s["step"] = _alias0d(plan.steps, i)
+            plan.use_counters(steps[start:start + n], coefs[start:start + n])
+            plan.coefs_for = None
             start += n
         same[0].coefs_for = (steps, coefs)
 
