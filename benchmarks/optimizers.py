@@ -287,7 +287,8 @@ _SLEEP_CYCLES_PER_S: List[float] = []
 
 
 def _gpu_cycles_per_second() -> float:
-    """Clock cycles per second of ``torch.cuda._sleep``'s spin, measured once per process."""
+    """Clock cycles per second of ``torch.cuda._sleep``'s spin: measured on first use, and measured again by
+    :func:`timed` whenever a spin ran shorter than asked (the GPU's clock rose since)."""
     if not _SLEEP_CYCLES_PER_S:
         cycles = 2_000_000
         torch.cuda._sleep(cycles)  # the first call loads the kernel
@@ -297,31 +298,42 @@ def _gpu_cycles_per_second() -> float:
         end.record()
         end.synchronize()
         _SLEEP_CYCLES_PER_S.append(cycles / (start.elapsed_time(end) / 1e3))
-    return _SLEEP_CYCLES_PER_S[0]
+    return _SLEEP_CYCLES_PER_S[-1]
 
 
 def timed(fn: Callable[[], object], device: str, spin_s: float = 0.0) -> Tuple[float, float]:
     """``(device seconds, host seconds)`` of ``fn()``. On a GPU the device time is taken with CUDA events around
     ``fn``; with ``spin_s`` a spin of the GPU (``torch.cuda._sleep``) of that long is queued first, so that the host
     queues ``fn``'s work before the start event is reached: ``fn``'s own time on the device, as in a training loop
-    where the step is queued behind backward's kernels (if the host takes longer than the spin, its excess counts,
-    as it would stall that loop). Without it the GPU is idle when ``fn`` is called, and the host's time before
-    ``fn``'s first kernel counts. The host time is the wall time of the call itself. Elsewhere both are the wall
-    time."""
+    where the step is queued behind backward's kernels. The spin counts clock cycles, and an idle GPU's clock is a
+    fraction of its clock under load: a spin that ran shorter than the host's time, which would let the host's time
+    count, is timed too, and the measurement is taken again with the spin's rate as measured then (at most three
+    times; if the host is slower than ``spin_s`` its excess counts, as it would stall that loop). Without
+    ``spin_s`` the GPU is idle when ``fn`` is called, and the host's time before ``fn``'s first kernel counts. The
+    host time is the wall time of the call itself. Elsewhere both are the wall time."""
     if not str(device).startswith("cuda"):
         t0 = time.perf_counter()
         fn()
         t = time.perf_counter() - t0
         return t, t
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if spin_s:
-        torch.cuda._sleep(int(_gpu_cycles_per_second() * min(spin_s, 0.2)))
-    start.record()
-    t0 = time.perf_counter()
-    fn()
-    host = time.perf_counter() - t0
-    end.record()
-    end.synchronize()
+    spin_start, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    for _attempt in range(3):
+        if spin_s:
+            cycles = int(_gpu_cycles_per_second() * min(spin_s, 0.2))
+            spin_start.record()
+            torch.cuda._sleep(cycles)
+        start.record()
+        t0 = time.perf_counter()
+        fn()
+        host = time.perf_counter() - t0
+        end.record()
+        end.synchronize()
+        if not spin_s:
+            break
+        spun = spin_start.elapsed_time(start) / 1e3
+        if spun >= min(host, spin_s):
+            break
+        _SLEEP_CYCLES_PER_S.append(cycles / spun)  # the clock rose: the same spin takes fewer seconds now
     return start.elapsed_time(end) / 1e3, host
 
 
