@@ -47,18 +47,18 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
     import triton.language as tl
 
     from torchao_optim.kernels.triton_adam import adam_kernel
-    from torchao_optim.optim.fused import ITERS, MIN_TILE, PREFETCH, register_cap
+    from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
     from torchao_optim.state.layout import StateLayout
 
     param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
     signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
-                 "prog_block": "*i32", "steps": "*fp32", "round_info": "*i64",
+                 "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64",
                  "m_values": "*fp32", "m_level1": "*i32", "m_level2": "*i32",
                  "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
     constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
-                     VEC=16 // (4 if dtype == "fp32" else 2), ITERS=ITERS, PREFETCH=PREFETCH, ALIGNED=True,
+                     VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=PREFETCH, ALIGNED=True,
                      DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
-                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False)
+                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False, PDL=True)
     # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
     param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize

@@ -64,22 +64,41 @@ def test_small_plans_spread_their_tiles_over_more_programs():
     assert fused_mod.spread_iters(small, 256, 0) == fused_mod.ITERS
 
 
+def test_program_map_covers_every_tile_once_with_a_tail_of_one_tile_programs():
+    numels = torch.tensor([3000, 1517, 256, 129, 320, 20])  # 12, 6, 1, 1, 2 and 1 tiles of 256
+    for iters, tail in [(8, 0), (8, 13), (4, 5), (8, 10**6), (1, 0)]:
+        tensors, firsts, counts = fused_mod.program_map(numels, 256, iters, tail)
+        covered = [(t, f + i) for t, f, c in zip(tensors.tolist(), firsts.tolist(), counts.tolist()) for i in range(c)]
+        assert covered == [(t, b) for t, n in enumerate([12, 6, 1, 1, 2, 1]) for b in range(n)]  # once, in order
+        assert counts.max() <= iters and counts.min() >= 1
+        last = counts[-min(tail, 23):] if tail else counts[:0]  # the last `tail` tiles: one per program
+        assert (last == 1).all() and int(last.numel()) == min(tail, 23)
+    # 13 tiles of tail: the first tensor keeps a program of 8 and one of 2 (its tiles before the tail), then ones
+    assert fused_mod.program_map(numels, 256, 8, 13)[2].tolist()[:4] == [8, 2, 1, 1]
+
+
 @pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")
 @pytest.mark.parametrize("fmt,block", [("dtq8", 256), ("4bit", 128)])
 def test_tiles_per_program_change_no_bit(fmt, block, monkeypatch):
-    # Spreading a plan over more programs changes which program updates a tile, not how: the same bits.
+    # Spreading a plan over more programs, or ending it with programs of one tile, changes which program updates
+    # a tile, not how: the same bits.
     runs = []
-    for min_programs in (0, 10**6):  # ITERS tiles per program (tensors of 12 tiles: a whole program, then part
-        monkeypatch.setattr(fused_mod, "MIN_PROGRAMS", min_programs)  # of one), then one tile per program
+    # ITERS tiles per program (tensors of 12 tiles: a whole program, then part of one); one tile per program; and
+    # ITERS, with the last 13 tiles one per program (the first tensor split between the two kinds)
+    for min_programs, tail in [(0, 0), (10**6, 0), (0, 13)]:
+        monkeypatch.setattr(fused_mod, "MIN_PROGRAMS", min_programs)
+        monkeypatch.setattr(fused_mod, "TAIL_TILES", tail)
         params, opt = _steps(True, fmt, block)
-        runs.append((opt._group_plans(opt.param_groups[0])["plans"][0].iters, params, opt))
-    (iters_a, params_a, opt_a), (iters_b, params_b, opt_b) = runs
-    assert (iters_a, iters_b) == (fused_mod.ITERS, 1)
-    for p, q in zip(params_a, params_b):
-        assert torch.equal(p, q)
-        for key in ("exp_avg", "exp_avg_sq"):
-            a, b = opt_a.state[p][key], opt_b.state[q][key]
-            assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in a.data_fields()), key
+        plan = opt._group_plans(opt.param_groups[0])["plans"][0]
+        runs.append((plan.iters, int((plan.prog_tiles == 1).sum()), params, opt))
+    (iters_a, ones_a, params_a, opt_a) = runs[0]
+    assert [(r[0], r[1]) for r in runs] == [(fused_mod.ITERS, ones_a), (1, 23), (fused_mod.ITERS, 13)]
+    for _, _, params_b, opt_b in runs[1:]:
+        for p, q in zip(params_a, params_b):
+            assert torch.equal(p, q)
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = opt_a.state[p][key], opt_b.state[q][key]
+                assert all(torch.equal(getattr(a, name), getattr(b, name)) for name in a.data_fields()), key
 
 
 @pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")

@@ -51,10 +51,10 @@ from torchao_optim.kernels.triton_momentum import momentum_kernel
 dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
-             "prog_block": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32", "s_level1": "*i32",
-             "s_level2": "*i32"}
+             "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32",
+             "s_level1": "*i32", "s_level2": "*i32"}
 constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
-                 VEC=16 // (4 if dtype == "fp32" else 2), ITERS=8, ALIGNED=True, RULE=rule, NESTEROV=False,
+                 VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, RULE=rule, NESTEROV=False,
                  MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True)
 print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 """

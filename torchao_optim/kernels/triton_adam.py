@@ -2,8 +2,8 @@
 
 A plan's tensors share a device, param and grad dtypes and a state layout per moment (8- or 4-bit codes of
 one codebook, or plain fp32). ``adam_kernel`` takes a table of pointers (one row per tensor) and a map from
-program to (tensor, first tile); each program walks ``ITERS`` consecutive ``BLOCK``-element register tiles of
-its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one for 8-bit blocks of 256, two for 4-bit blocks
+program to (tensor, first tile, number of tiles: ``optim.fused.program_map``); each program walks its
+consecutive ``BLOCK``-element register tiles of its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one for 8-bit blocks of 256, two for 4-bit blocks
 of 128: fixed costs per tile, the loop's and the reductions', are shared by 8 elements per thread), reading
 the parameter, the gradient and both states once and writing them once. With ``PREFETCH`` the loads of the
 next tile are issued before the current tile is computed, so a program keeps memory requests in flight while it
@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
@@ -41,9 +43,13 @@ def _pow(base, t):
 
 
 @triton.jit
-def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr):
+def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """``steps += 1`` and ``coefs = adam_coefficients(steps, hyperparams, DECOUPLED)`` in fp32, for ``n`` tensors
-    (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay)."""
+    (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay). ``PDL``: the update kernel that
+    follows may start now (programmatic dependent launch); it waits for these results where it reads them."""
+    if PDL:
+        gdc_launch_dependents()
     i = tl.arange(0, N_POW2)
     mask = i < n
     step = tl.load(steps + i, mask=mask, other=0.0) + 1.0
@@ -199,27 +205,32 @@ def adam_kernel(
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
-    prog_block,  # int32 (n_programs,): its first tile; a program updates ITERS consecutive tiles
+    prog_block,  # int32 (n_programs,): its first tile
+    prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level1 by bits, level2 keyed)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    ITERS: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
 ):
+    # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
+    # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
+    # after gdc_wait; the tensors read before it are this plan's own, which no earlier kernel of the step writes.
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
     row = ptrs + t * 5
-    cf = _load_coefs(coefs + t * 7)
-    key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
+    count = tl.load(prog_tiles + pid)
     # the program's tiles: n_full whole tiles, then at most one partial tile (a tensor's last)
-    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)
+    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, count)
     local = tile_offsets(BLOCK, VEC)  # offsets inside the tile: constants per thread
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
@@ -232,6 +243,10 @@ def adam_kernel(
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
+    if PDL:
+        gdc_wait()
+    cf = _load_coefs(coefs + t * 7)
+    key, offset = _round_key(round_info, steps, t, SR)
     for i in range(0, n_full):
         blk = first + i
         if PREFETCH:
@@ -247,7 +262,7 @@ def adam_kernel(
                      PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
                      V_BITS, M_SIGNED, V_SIGNED)
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
-    if (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel):
+    if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,

@@ -3,9 +3,9 @@
 The twin of :mod:`torchao_optim.kernels.triton_adam` for rules that carry one state (SGD's momentum buffer,
 Lion's ``exp_avg``): a plan's tensors share a device, param and grad dtypes and the state's layout; the kernel
 takes a table of pointers (param, the state's codes or fp32 values, its scales: one row per tensor) and a map
-from program to (tensor, first block); each program walks ``ITERS`` consecutive quantization blocks, one
-register tile at a time, and reads and writes everything once. Reading and writing the state is
-``triton_codec``'s, so the kernel knows no format.
+from program to (tensor, first tile, number of tiles); each program walks its consecutive register tiles, and
+reads and writes everything once. Reading and writing the state is ``triton_codec``'s, so the kernel knows no
+format.
 
 The arithmetic is :func:`~torchao_optim.optim.update.sgd_update`'s (``RULE = 0``) or
 :func:`~torchao_optim.optim.update.lion_update`'s (``RULE = 1``), with the coefficient rows of
@@ -73,12 +73,12 @@ def momentum_kernel(
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
-    prog_block,  # int32 (n_programs,): its first tile; a program updates ITERS consecutive tiles
+    prog_block,  # int32 (n_programs,): its first tile
+    prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, already advanced
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    ITERS: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
 ):
@@ -90,8 +90,9 @@ def momentum_kernel(
     key, offset = _round_key(round_info, steps, t, SR)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
-    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, ITERS)  # whole tiles, then at most one partial
-    has_tail = (n_full < ITERS) & (first * BLOCK + n_full * BLOCK < numel)
+    count = tl.load(prog_tiles + pid)
+    n_full = tl.minimum((numel - first * BLOCK) // BLOCK, count)  # whole tiles, then at most one partial
+    has_tail = (n_full < count) & (first * BLOCK + n_full * BLOCK < numel)
     local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
@@ -125,10 +126,9 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     layout = plan.layouts[0]
     plan.compiled = momentum_kernel[(plan.n_programs,)](
-        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.steps,
-        plan.round_info, *plan.tables,
+        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
+        plan.steps, plan.round_info, *plan.tables,
         PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
-        ITERS=plan.iters,
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),

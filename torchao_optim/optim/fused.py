@@ -36,6 +36,9 @@ __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
+# Adam's update kernels start as programmatic dependents of the kernel before them (CUDA, compute capability 9.0
+# and later): their launch and first loads overlap the coefficients kernel, or the previous plan's update.
+PDL = True
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
 MAXNREG = None  # where set, the register cap of every update kernel instead of REGISTER_CAPS' (0: none)
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 and 120
@@ -53,6 +56,12 @@ MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
 # runs programs one at a time). Measured on an H200 (benchmarks/README.md): ViT-B's plan of its 1-D tensors
 # (fp32 state), 125 programs of 8 tiles, took 7.5 us.
 MIN_PROGRAMS: Optional[int] = None
+# The last tiles of a plan, in launch order, go one per program. Programs start in about the order of their ids, so
+# the last ones to start are the plan's tail: as SMs run out of programs, those still running hold them. Short
+# programs there end the kernel closer together (ITERS tiles per program elsewhere keep their fixed costs shared).
+# None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
+TAIL_TILES: Optional[int] = None
+TAIL_TILES_PER_SM = 32
 
 
 def _interpreter() -> bool:
@@ -198,6 +207,8 @@ class GroupPlan:
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         self.iters = spread_iters(numels, self.tile, _min_programs(device))
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
+        self.pdl = (PDL and self.executor == "triton" and device.type == "cuda" and not _interpreter()
+                    and torch.cuda.get_device_capability(device)[0] >= 9)
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
@@ -210,12 +221,10 @@ class GroupPlan:
         self.grad_key: tuple = ()
         self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
         self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
-        programs = _programs(numels, self.tile * self.iters)
-        self.n_programs = int(programs.sum())
-        starts = torch.cumsum(programs, 0) - programs
-        self.prog_tensor = torch.repeat_interleave(torch.arange(len(params), dtype=torch.int32), programs).to(device)
-        prog_block = (torch.arange(self.n_programs, dtype=torch.int64) - torch.repeat_interleave(starts, programs))
-        self.prog_block = (prog_block * self.iters).to(torch.int32).to(device)  # first tile of each program
+        # each program's tensor, first tile and number of tiles
+        prog_tensor, prog_block, prog_tiles = program_map(numels, self.tile, self.iters, _tail_tiles(device))
+        self.n_programs = len(prog_tensor)
+        self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device) for x in (prog_tensor, prog_block, prog_tiles))
         self.numels = numels.to(device)
         # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
         # executor advances each state's own counter instead (a few microseconds there), so that a state shared
@@ -316,27 +325,45 @@ class GroupPlan:
             steps, coefs = self.coefs_for
             n = len(steps)
             adam_coefs_kernel[(1,)](steps, hyperparams, coefs, n, DECOUPLED=decoupled,
-                                    N_POW2=max(16, 1 << (n - 1).bit_length()), num_warps=4)
+                                    N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=self.pdl, num_warps=4)
         if self.n_programs == 0:
             return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
         self.compiled = adam_kernel[(self.n_programs,)](
-            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.steps,
-            self.round_info, *self.tables,
+            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.prog_tiles,
+            self.steps, self.round_info, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
-            ITERS=self.iters,
             PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not _interpreter(),
             SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
             M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
-            num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
+            PDL=self.pdl, num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
+            **({"launch_pdl": True} if self.pdl else {}),
         )
 
 
 def _programs(numels: Tensor, span: int) -> Tensor:
     """Programs per tensor of ``numels`` elements, each walking ``span`` elements (a tensor's last, fewer)."""
     return (numels + span - 1) // span
+
+
+def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+    """The programs of a plan of tensors of ``numels`` elements in ``tile``-element tiles: each program's tensor,
+    first tile and number of tiles (int32). Programs of ``iters`` tiles (a tensor's last, fewer), except the plan's
+    last ``tail_tiles`` tiles (in the order of the tensors), one per program."""
+    tiles = (numels + tile - 1) // tile
+    cut = max(int(tiles.sum()) - tail_tiles, 0)  # tiles before the tail, over all tensors
+    before = (cut - (torch.cumsum(tiles, 0) - tiles)).clamp(0).minimum(tiles)  # each tensor's tiles before it
+    tensors, firsts, counts = [], [], []
+    for t, (n, b) in enumerate(zip(tiles.tolist(), before.tolist())):
+        first = torch.cat([torch.arange(0, b, iters), torch.arange(b, n)])
+        count = torch.cat([(b - torch.arange(0, b, iters)).clamp(max=iters), torch.ones(n - b, dtype=torch.int64)])
+        tensors.append(torch.full(first.shape, t))
+        firsts.append(first)
+        counts.append(count)
+    cat = lambda xs: torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32)  # noqa: E731
+    return cat(tensors), cat(firsts), cat(counts)
 
 
 def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
@@ -354,6 +381,14 @@ def _min_programs(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     return 8 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tail_tiles(device: torch.device) -> int:
+    if TAIL_TILES is not None:
+        return TAIL_TILES
+    if device.type != "cuda":
+        return 0
+    return TAIL_TILES_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _share_coefficients(plans: List[GroupPlan]) -> None:
