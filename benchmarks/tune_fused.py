@@ -59,8 +59,8 @@ def main():
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {ms:.3f} | {ms / floor:.2f} "
-              f"| {host_ms:.3f} | {regs} | {spills} |")
+        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {ms:.3f} "
+              f"| {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()
 

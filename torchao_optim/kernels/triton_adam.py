@@ -3,12 +3,12 @@
 A plan's tensors share a device, param and grad dtypes and a state layout per moment (8- or 4-bit codes of
 one codebook, or plain fp32). ``adam_kernel`` takes a table of pointers (one row per tensor) and a map from
 program to (tensor, first tile, number of tiles: ``optim.fused.program_map``); each program walks its
-consecutive ``BLOCK``-element register tiles of its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one for 8-bit blocks of 256, two for 4-bit blocks
-of 128: fixed costs per tile, the loop's and the reductions', are shared by 8 elements per thread), reading
-the parameter, the gradient and both states once and writing them once. With ``PREFETCH`` the loads of the
-next tile are issued before the current tile is computed, so a program keeps memory requests in flight while it
-decodes, updates and encodes. How a state is read and written is ``triton_codec``'s, specialized by constexpr:
-the kernel knows no format.
+consecutive ``BLOCK``-element register tiles of its tensor, each ``BLOCK // QBLOCK`` quantization blocks (one
+for 8-bit blocks of 256, two for 4-bit blocks of 128: fixed costs per tile, the loop's and the reductions', are
+shared by 8 elements per thread), reading the parameter, the gradient and both states once and writing them
+once. With ``PREFETCH`` the loads of the next tile are issued before the current tile is computed, so a program
+keeps memory requests in flight while it decodes, updates and encodes. How a state is read and written is
+``triton_codec``'s, specialized by constexpr: the kernel knows no format.
 
 The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s. ``adam_coefs_kernel`` advances the step
 counts and computes the per-tensor coefficients of :func:`torchao_optim.optim.update.adam_coefficients` in
@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # Triton >= 3.4 (torch >= 2.11 has 3.6)
 
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16

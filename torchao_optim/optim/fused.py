@@ -224,7 +224,8 @@ class GroupPlan:
         # each program's tensor, first tile and number of tiles
         prog_tensor, prog_block, prog_tiles = program_map(numels, self.tile, self.iters, _tail_tiles(device))
         self.n_programs = len(prog_tensor)
-        self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device) for x in (prog_tensor, prog_block, prog_tiles))
+        self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device)
+                                                              for x in (prog_tensor, prog_block, prog_tiles))
         self.numels = numels.to(device)
         # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
         # executor advances each state's own counter instead (a few microseconds there), so that a state shared
@@ -362,8 +363,8 @@ def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> T
         tensors.append(torch.full(first.shape, t))
         firsts.append(first)
         counts.append(count)
-    cat = lambda xs: torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32)  # noqa: E731
-    return cat(tensors), cat(firsts), cat(counts)
+    return tuple(torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32)
+                 for xs in (tensors, firsts, counts))
 
 
 def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
