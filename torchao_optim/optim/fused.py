@@ -190,10 +190,11 @@ def _placeholder(device) -> Tensor:
 
 
 class GroupPlan:
-    """Device tables for one launch over ``params`` (all with the same :func:`plan_key`)."""
+    """Device tables for one launch over ``params`` (all with the same :func:`plan_key`). ``pdl=False``: its Adam
+    update never starts before the work queued ahead of it has finished (see :data:`PDL`)."""
 
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
-                 rounding: Optional[List[Tuple[int, int]]] = None):
+                 rounding: Optional[List[Tuple[int, int]]] = None, pdl: bool = True):
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype, self.executor = key
         if self.rule.name == "adam":
             self.m_layout, self.v_layout = self.layouts
@@ -205,9 +206,9 @@ class GroupPlan:
         # blocks get more threads, not more registers per thread.
         self.tile = max(self.block, MIN_TILE)
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
-        self.iters = spread_iters(numels, self.tile, _min_programs(device))
+        self.iters = spread_iters(numels, self.tile, _per_sm(MIN_PROGRAMS, 8, device))
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
-        self.pdl = (PDL and self.executor == "triton" and device.type == "cuda" and not _interpreter()
+        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not _interpreter()
                     and torch.cuda.get_device_capability(device)[0] >= 9)
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
@@ -222,7 +223,8 @@ class GroupPlan:
         self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
         self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
         # each program's tensor, first tile and number of tiles
-        prog_tensor, prog_block, prog_tiles = program_map(numels, self.tile, self.iters, _tail_tiles(device))
+        tail = _per_sm(TAIL_TILES, TAIL_TILES_PER_SM, device)
+        prog_tensor, prog_block, prog_tiles = program_map(numels, self.tile, self.iters, tail)
         self.n_programs = len(prog_tensor)
         self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device)
                                                               for x in (prog_tensor, prog_block, prog_tiles))
@@ -353,7 +355,7 @@ def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> T
     """The programs of a plan of tensors of ``numels`` elements in ``tile``-element tiles: each program's tensor,
     first tile and number of tiles (int32). Programs of ``iters`` tiles (a tensor's last, fewer), except the plan's
     last ``tail_tiles`` tiles (in the order of the tensors), one per program."""
-    tiles = (numels + tile - 1) // tile
+    tiles = _programs(numels, tile)
     cut = max(int(tiles.sum()) - tail_tiles, 0)  # tiles before the tail, over all tensors
     before = (cut - (torch.cumsum(tiles, 0) - tiles)).clamp(0).minimum(tiles)  # each tensor's tiles before it
     tensors, firsts, counts = [], [], []
@@ -376,20 +378,14 @@ def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
     return iters
 
 
-def _min_programs(device: torch.device) -> int:
-    if MIN_PROGRAMS is not None:
-        return MIN_PROGRAMS
+def _per_sm(setting: Optional[int], per_sm: int, device: torch.device) -> int:
+    """``setting`` where set, else ``per_sm`` for each SM of a CUDA device (0 elsewhere): :data:`MIN_PROGRAMS` and
+    :data:`TAIL_TILES`."""
+    if setting is not None:
+        return setting
     if device.type != "cuda":
         return 0
-    return 8 * torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _tail_tiles(device: torch.device) -> int:
-    if TAIL_TILES is not None:
-        return TAIL_TILES
-    if device.type != "cuda":
-        return 0
-    return TAIL_TILES_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _share_coefficients(plans: List[GroupPlan]) -> None:

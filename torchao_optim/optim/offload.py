@@ -210,8 +210,9 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
                 shadow[name] = _rebuild(state, device)
             shadows.append(shadow)
         chunk_params = [params[i] for i in idx]
-        plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None)
-        plan.pdl = False  # its update follows a copy into its slot: it starts when everything before it is done
+        # pdl=False: its update follows a copy into its slot, so it starts when everything before it is done
+        plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None,
+                         pdl=False)
         for i, shadow in zip(idx, shadows):
             states[i]["step"] = shadow["step"]  # an alias into the plan's step counts
         chunks.append(OffloadChunk(plan, arena[start:start + size], slot))
