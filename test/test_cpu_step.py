@@ -4,7 +4,8 @@ The conformance cases run it against torch.optim for every format (the "cpu" exe
 compiled path's own function, run eagerly on the same inputs: the codes and scales it stores are the same bit
 for bit (the encoder is the same rule over the same tables, the arithmetic the same operations in the same
 order), and parameters agree within fp32 rounding (eager torch may round one operation differently: measured one
-ulp, on one element in a few thousand). Then what a user of the CPU relies on: it is the path taken by default,
+ulp, on one element in a few thousand; for bf16 and fp16 parameters such an ulp may flip the final rounding, one
+ulp of the parameter's dtype on a few elements). Then what a user of the CPU relies on: it is the path taken by default,
 threads change nothing, and a machine without a C compiler still trains, on the compiled path, with a warning.
 """
 import warnings
@@ -24,6 +25,7 @@ pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(),
 # min_quant_size (fp32 state)
 SHAPES = ((300, 257), (1001,), (4096,), (50,))
 ULP = 2.0**-23
+STEPS = 4  # steps of _train
 
 
 def _fused_formats():
@@ -45,7 +47,7 @@ def _pair(make, dtype, **kw):
     return fused, eager, make(fused, **kw), make(eager, fused=False, compile=False, **kw)
 
 
-def _train(params_a, params_b, opt_a, opt_b, steps=4, dtype=torch.float32):
+def _train(params_a, params_b, opt_a, opt_b, steps=STEPS, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         for a, b in zip(params_a, params_b):
@@ -62,7 +64,18 @@ def _assert_same_step(opt_a, opt_b, params_a, params_b):
     assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"cpu"}
     for a, b in zip(params_a, params_b):
         scale = b.detach().float().abs().clamp_min(1.0)
-        assert ((a.float() - b.float()).abs() <= 2 * ULP * scale).all(), "parameters beyond fp32 rounding"
+        diff = (a.float() - b.float()).abs()
+        beyond = diff > 2 * ULP * scale
+        if a.dtype != torch.float32:
+            # bf16/fp16 parameters: a one-ulp difference of the fp32 update flips the rounding to the parameter's
+            # dtype where it falls next to a rounding boundary (seen on one element in 77100 on a CPU without
+            # AVX2, where eager torch takes its scalar kernels), and the later steps start from the flipped value:
+            # an ulp of that dtype per step at most, on a few elements
+            ulp = torch.finfo(a.dtype).eps * b.detach().float().abs().clamp_min(torch.finfo(a.dtype).tiny)
+            assert (diff[beyond] <= STEPS * ulp[beyond]).all(), "parameters beyond an ulp of their dtype per step"
+            assert beyond.sum() <= max(1, a.numel() // 1000), f"{int(beyond.sum())} parameters beyond fp32 rounding"
+        else:
+            assert not beyond.any(), "parameters beyond fp32 rounding"
         assert opt_a.state[a].keys() == opt_b.state[b].keys()
         for key, sa in opt_a.state[a].items():
             sb = opt_b.state[b][key]
