@@ -47,7 +47,8 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
     import triton.language as tl
 
     from torchao_optim.kernels.triton_adam import adam_kernel
-    from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
+    from torchao_optim.optim.fused import MIN_TILE, PREFETCH, flat_shift, register_cap
+    from torchao_optim.state import get_state_format
     from torchao_optim.state.layout import StateLayout
 
     param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
@@ -59,6 +60,10 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
                      VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=PREFETCH, ALIGNED=True,
                      DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
                      M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False, PDL=True)
+    # the encoders' form as the planner picks it for the built-in format of this code width
+    m, v = (get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed).fast_path_layout()
+            for signed in (True, False))
+    constants.update(M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"))
     # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
     param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize
@@ -125,8 +130,15 @@ def main():
     ap.add_argument("--warps", type=int, default=1)
     ap.add_argument("--maxnreg", default="auto",
                     help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)")
+    ap.add_argument("--flat-bits", type=int, default=None,
+                    help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa bits "
+                         "per exponent (default: optim.fused.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
+    if args.flat_bits is not None:
+        import torchao_optim.optim.fused as fused
+
+        fused.FLAT_MAX_BITS = args.flat_bits
     c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg)
     if args.json:
         print(json.dumps(c))

@@ -1,5 +1,5 @@
 """Tune and inspect the fused Adam kernel on CUDA: step time for each (ITERS, PREFETCH, num_warps, register cap,
-TAIL_TILES_PER_SM, PDL), registers and spills.
+TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS), registers and spills.
 
     python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --iters 1,4,8 --prefetch 0,1 --warps 2,4
     python benchmarks/tune_fused.py --geometry vit_b --dtype bf16 --iters 8 --prefetch 1 --warps 1 --tail 0,32,64
@@ -33,6 +33,9 @@ def main():
     ap.add_argument("--tail", default=str(fused.TAIL_TILES_PER_SM),
                     help="tiles per SM at the end of a plan that go one per program (optim.fused.TAIL_TILES_PER_SM)")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch of the update kernels (optim.fused.PDL)")
+    ap.add_argument("--flat-bits", default=str(fused.FLAT_MAX_BITS),
+                    help="the one-load encoder for codebooks needing at most this many mantissa bits per exponent "
+                         "(optim.fused.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -40,26 +43,27 @@ def main():
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
-    configs = [(i, bool(int(f)), w, r, t, d) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
+    configs = [(i, bool(int(f)), w, r, t, d, b) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
                for w in map(int, args.warps.split(",")) for r in args.maxnreg.split(",")
-               for t in map(int, args.tail.split(",")) for d in map(int, args.pdl.split(","))]
-    for iters, prefetch, warps, maxnreg, tail, pdl in configs:
+               for t in map(int, args.tail.split(",")) for d in map(int, args.pdl.split(","))
+               for b in map(int, args.flat_bits.split(","))]
+    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits in configs:
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
-        fused.PDL = bool(pdl)
+        fused.PDL, fused.FLAT_MAX_BITS = bool(pdl), flat_bits
         fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
         warm_up(opt.step)  # as benchmark_step.py: the clocks rise under load
         if floor is None:  # the format's own bytes moved, over the copy bandwidth
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
-            print("| iters | prefetch | warps | maxnreg | tail | pdl | step ms | x floor | host ms | regs | spills |")
-            print("|---|---|---|---|---|---|---|---|---|---|---|")
+            print("| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs | spills |")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {ms:.3f} "
+        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} | {ms:.3f} "
               f"| {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()

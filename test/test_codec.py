@@ -23,6 +23,8 @@ CODEBOOKS = {
     "made-up quadratic": (made_up_formats._cubic(False), True),
     "4-bit dynamic map": (tuple(create_dynamic_map(True, 3, 4).tolist()), False),
     "4-bit grid": (tuple(torch.linspace(0, 1, 16).tolist()), True),
+    "4bit signed": _layout_codebook("4bit", True),
+    "4bit unsigned": _layout_codebook("4bit", False),
     "fp8 signed": _layout_codebook("fp8", True),
     "fp8 unsigned": _layout_codebook("fp8", False),
 }
@@ -69,14 +71,30 @@ def test_compiled_encoder_equals_search(case):
 
 @pytest.mark.skipif(not fused_available("cuda") and not fused_available("cpu"),
                     reason="needs Triton (a GPU, or its interpreter)")
-def test_kernel_encoder_equals_search(case):
+@pytest.mark.parametrize("flat_max_bits", [0, 12], ids=["two-loads", "one-load"])
+def test_kernel_encoder_equals_search(case, flat_max_bits):
     """Also for negative inputs to a codebook without negative values, which the kernels' encoder reads with
-    its key's sign part left out."""
+    its key's sign part left out. Both forms of the encoder: two loads, and one (``codec.flat_keyed``, which the
+    fused kernels use where a codebook needs at most ``optim.fused.FLAT_MAX_BITS`` mantissa bits per exponent)."""
     from torchao_optim.kernels.triton_codec import quantize_nearest_triton
 
     name, codebook, never_zero, y, ref = case
     device = "cuda" if fused_available("cuda") else "cpu"
-    assert torch.equal(quantize_nearest_triton(y.to(device), codebook, never_zero).cpu(), ref), name
+    assert torch.equal(quantize_nearest_triton(y.to(device), codebook, never_zero, flat_max_bits).cpu(), ref), name
+
+
+def test_one_load_tables_of_the_built_in_codebooks():
+    """The one-load form's table for the built-in codebooks is 512 << m entries, m the most mantissa bits an exponent
+    needs: 3 for the 4-bit ones (8 K entries at most), 6 and 7 for the dynamic 8-bit maps (64 K), within the fused
+    kernels' limit; a codebook needing more than ``max_bits`` has none."""
+    from torchao_optim.optim.fused import FLAT_MAX_BITS
+    from torchao_optim.quant.codec import flat_keyed
+
+    for name, most in [("4bit signed", 3), ("4bit unsigned", 3), ("4-bit dynamic map", 3), ("dtq8 signed", 7),
+                       ("dtq8 unsigned", 7)]:
+        table, shift = flat_keyed(*CODEBOOKS[name], max_bits=FLAT_MAX_BITS)
+        assert 23 - shift <= most and table.numel() == 512 << (23 - shift), name
+    assert flat_keyed(*CODEBOOKS["dtq8 unsigned"], max_bits=6) is None
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built (no C compiler)")

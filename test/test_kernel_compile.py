@@ -47,6 +47,8 @@ import sys
 import triton.language as tl
 from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
+from torchao_optim.optim.fused import flat_shift
+from torchao_optim.state import get_state_format
 
 dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
@@ -55,7 +57,9 @@ signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*f
              "s_level1": "*i32", "s_level2": "*i32"}
 constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
                  VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, RULE=rule, NESTEROV=False,
-                 MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True)
+                 MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True,
+                 S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=True).fast_path_layout(),
+                                   "triton"))
 print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 """
 

@@ -151,7 +151,8 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
                  PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
-                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr):
+                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,
+                 M_FLAT: tl.constexpr, V_FLAT: tl.constexpr):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
@@ -192,9 +193,9 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
-                PTX, M_SIGNED)
+                PTX, M_SIGNED, M_FLAT)
     store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC,
-                PTX, V_SIGNED)
+                PTX, V_SIGNED, V_FLAT)
 
 
 @triton.jit
@@ -208,13 +209,14 @@ def adam_kernel(
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    m_values, m_level1, m_level2,  # exp_avg's codebook and encoder tables (level1 by bits, level2 keyed)
+    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (optim.fused._tables)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
+    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (optim.fused.flat_shift)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
@@ -259,7 +261,7 @@ def adam_kernel(
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS, M_SIGNED, V_SIGNED)
+                     V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
@@ -269,4 +271,4 @@ def adam_kernel(
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                      PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS, M_SIGNED, V_SIGNED)
+                     V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)

@@ -11,6 +11,8 @@ This module imports Triton; import it only where Triton is available.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import triton
 import triton.language as tl
 
@@ -19,7 +21,7 @@ LIFT: tl.constexpr = tl.constexpr(2.0**64)
 
 
 @triton.jit
-def encode_high(y, level1, level2, SIGNED: tl.constexpr = True):
+def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0):
     """The codes of ``y`` (fp32 in [-1, 1], no NaN) in the top byte of int32 words whose other bits are not
     zero: torchao_optim.quant.codec.encode, in Triton (:func:`encode` shifts them down; an 8-bit store takes
     the top bytes as they are).
@@ -29,9 +31,15 @@ def encode_high(y, level1, level2, SIGNED: tl.constexpr = True):
     more, in one 4-byte load. The key is ``y``'s mantissa with its bits flipped for ``y < 0`` (one
     exclusive-or with the sign spread over the word), so one addition decides for both signs. Not ``SIGNED``
     (a codebook without negative values, ``StateLayout.signed``): every negative ``y`` has one code whatever
-    its key, the flip is left out (an instruction per element).
+    its key, the flip is left out (an instruction per element). ``FLAT``, not 0: ``level1`` is the one table
+    of ``codec.flat_keyed`` and ``FLAT`` its shift (``level2`` is not read): one load instead of two.
     """
     bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
+    if FLAT:
+        if SIGNED:  # the mantissa's bits flipped for y < 0 (one LOP3: bits ^ (spread sign & mask))
+            bits = bits ^ ((bits >> 31) & 0x7FFFFF)
+        packed = tl.load(level1 + (bits.to(tl.uint32, bitcast=True) >> FLAT).to(tl.int32))
+        return packed + (bits & 0x7FFFFF)
     entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
     if SIGNED:
         key = (bits ^ (bits >> 31)) & 0x7FFFFF
@@ -44,9 +52,9 @@ def encode_high(y, level1, level2, SIGNED: tl.constexpr = True):
 
 
 @triton.jit
-def encode(y, level1, level2, SIGNED: tl.constexpr = True):
+def encode(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0):
     """Codes (int32) of ``y``: :func:`encode_high`'s top bytes."""
-    return (encode_high(y, level1, level2, SIGNED).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
+    return (encode_high(y, level1, level2, SIGNED, FLAT).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
 
 
 @triton.jit
@@ -117,13 +125,15 @@ def load_codes(codes, scales, start, blk, local, n_valid,
 @triton.jit
 def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
                BLOCK: tl.constexpr):
-    """The state's fp32 values from what :func:`load_codes` returned: one table load per element."""
+    """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
+    codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
+    elements' values: the low nibble's in the low word)."""
     if QUANT:
         if BITS == 8:
-            code = raw
+            x = tl.load(values + raw)
         else:
-            code = tl.interleave(raw & 15, raw >> 4)
-        x = tl.load(values + code)
+            pair = tl.load(values.to(tl.pointer_type(tl.int64)) + raw)
+            x = tl.interleave(pair.to(tl.int32), (pair >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
         if QBLOCK == BLOCK:
             x = x * scale
         else:  # (an early return would not spare this branch's compilation for a scalar scale)
@@ -136,7 +146,7 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
                 QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr):
+                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr = 0):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
@@ -163,9 +173,9 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         # top code: no clamp needed
         if BITS == 8:
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
-                     _top_bytes(encode_high(y, level1, level2, SIGNED), PTX), mask=mask)
+                     _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT), PTX), mask=mask)
         else:
-            code = encode(y, level1, level2, SIGNED)
+            code = encode(y, level1, level2, SIGNED, FLAT)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)
@@ -184,25 +194,33 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
 
 
 @triton.jit
-def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr):
+def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED).to(tl.uint8), mask=mask)
+    tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED, FLAT).to(tl.uint8), mask=mask)
 
 
-def quantize_nearest_triton(y, codebook, never_zero: bool = False):
+def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits: Optional[int] = None):
     """``torchao_optim.quant.quantize_nearest`` through the kernels' encoder (for tests): uint8 codes of ``y``
     (fp32 in [-1, 1], contiguous, on a device the kernels run on), specialized as the fused kernels are for the
-    codebook's sign (``StateLayout.signed``)."""
+    codebook's sign (``StateLayout.signed``) and, where ``quant.codec.flat_keyed(..., flat_max_bits)`` has a
+    one-load form for the codebook, in that form (``None``: the planner's limit, ``optim.fused.FLAT_MAX_BITS``;
+    0: always two loads)."""
     import torch
 
-    from torchao_optim.quant import bucket_tables
+    from torchao_optim.optim.fused import FLAT_MAX_BITS
+    from torchao_optim.quant.codec import bucket_tables, flat_keyed
 
-    tables = bucket_tables(tuple(codebook), never_zero)
-    level1, level2 = tables.level1_by_bits().to(y.device), tables.level2_keyed().to(y.device)
+    max_bits = FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits
+    one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
+    if one is not None:
+        level1, level2, shift = one[0].to(y.device), one[0].to(y.device), one[1]
+    else:
+        tables = bucket_tables(tuple(codebook), never_zero)
+        level1, level2, shift = tables.level1_by_bits().to(y.device), tables.level2_keyed().to(y.device), 0
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,
-                                                     SIGNED=min(codebook) < 0)
+                                                     SIGNED=min(codebook) < 0, FLAT=shift)
     return out

@@ -28,7 +28,8 @@ RULES = {"sgd": 0, "lion": 1}
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                    RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr):
+                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
+                   S_FLAT: tl.constexpr):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
     tensor's four coefficients, loaded once per program."""
     start = blk * BLOCK
@@ -63,7 +64,7 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
-                PTX, S_SIGNED)
+                PTX, S_SIGNED, S_FLAT)
 
 
 @triton.jit
@@ -81,6 +82,7 @@ def momentum_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
+    S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; optim.fused.flat_shift)
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -103,12 +105,12 @@ def momentum_kernel(
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
                        s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
-                       S_SIGNED)
+                       S_SIGNED, S_FLAT)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
                        s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
-                       S_BITS, PTX, S_SIGNED)
+                       S_BITS, PTX, S_SIGNED, S_FLAT)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
@@ -132,6 +134,6 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
         S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),
-        S_SIGNED=getattr(layout, "signed", True),
+        S_SIGNED=getattr(layout, "signed", True), S_FLAT=plan.flat[0],
         num_warps=plan.num_warps,
     )

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from torchao_optim.optim.sharded import local
 from torchao_optim.quant import bucket_tables
+from torchao_optim.quant.codec import flat_keyed, nibble_pairs
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
@@ -41,12 +42,19 @@ PREFETCH = True  # issue the next tile's loads before computing the current one
 PDL = True
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
 MAXNREG = None  # where set, the register cap of every update kernel instead of REGISTER_CAPS' (0: none)
-# Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 and 120
-# registers for these two) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200
-# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X): 4.5% and 6.6% faster than
-# uncapped. The other two gained 2-3.5% in one measurement each, near the spread between runs, and their best
-# caps spill with Triton 3.9 (benchmarks/count_instructions.py reports it), so they are left to the compiler.
-REGISTER_CAPS = {(8, 2): 80, (4, 4): 104}
+# Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 registers for
+# these) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200 with
+# benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X for 8-bit and run AS for 4-bit): 8-bit
+# bf16 4.5% faster than uncapped, 4-bit bf16 6.5%, and 4-bit fp32 6.8% faster than under its earlier cap of 104.
+# 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
+# 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
+REGISTER_CAPS = {(8, 2): 80, (4, 2): 80, (4, 4): 80}
+# The encoder in one table load (codec.flat_keyed) for a codebook whose exponents need at most this many mantissa
+# bits each (a table of 512 << bits int32); two loads for the others (0: always two). The 4-bit codebooks need 3, the
+# dynamic 8-bit maps 7 (256 KB, of which a step reads the rows of the exponents its values have). Measured on an H200
+# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, runs AS and AT): 4-bit bf16 12% faster
+# (with the byte-pair decode), dtq8 bf16 6% (ViT-B too); fp32 parameters, at their floor already, unchanged.
+FLAT_MAX_BITS = 7
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
@@ -163,22 +171,40 @@ def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
     if layout == "fp32":
         placeholder = _placeholder(device)
         return (placeholder,) * 3
-    return (_decode_table(layout, device),) + _kernel_tables(layout, device, executor)
+    return (_decode_table(layout, device, executor),) + _encoder_tables(layout, device, executor,
+                                                                        flat_shift(layout, executor))
 
 
 @functools.lru_cache(maxsize=None)
-def _decode_table(layout, device) -> Tensor:
+def _decode_table(layout, device, executor: str) -> Tensor:
     """The codebook as fp32, padded with zeros to ``2**bits`` values (a kernel may load the whole table at once,
-    the fused CPU step's 4-bit decode does); the padding is never a code's value."""
+    the fused CPU step's 4-bit decode does); the padding is never a code's value. The Triton kernels decode
+    4-bit codes a byte at a time: the values of both nibbles of every byte (``codec.nibble_pairs``)."""
     values = torch.zeros(2**layout.bits, dtype=torch.float32)
     values[: len(layout.codebook)] = torch.tensor(layout.codebook, dtype=torch.float32)
+    if layout.bits == 4 and executor == "triton":
+        values = nibble_pairs(values)
     return values.to(device)
 
 
+def flat_shift(layout, executor: str) -> int:
+    """The Triton kernels' ``FLAT`` constexpr for a layout: the shift of its codebook's one-load encoder
+    (``codec.flat_keyed`` within :data:`FLAT_MAX_BITS`), or 0 where it has none (and for plain fp32 state and the
+    other executors)."""
+    if layout == "fp32" or executor != "triton" or not FLAT_MAX_BITS:
+        return 0
+    one = flat_keyed(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
+    return 0 if one is None else one[1]
+
+
 @functools.lru_cache(maxsize=None)
-def _kernel_tables(layout, device, executor: str) -> Tuple[Tensor, Tensor]:
+def _encoder_tables(layout, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
     """The encoder's tables in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits, and
-    level2_keyed (Triton) or level2_with_bounds (the C step)."""
+    level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table of
+    codec.flat_keyed, twice (the Triton kernels read the first)."""
+    if shift:
+        table = flat_keyed(layout.codebook, layout.never_zero, 23 - shift)[0].to(device)
+        return table, table
     t = bucket_tables(layout.codebook, layout.never_zero)
     level2 = t.level2_keyed() if executor == "triton" else t.level2_with_bounds()
     return t.level1_by_bits().to(device), level2.to(device)
@@ -239,6 +265,7 @@ class GroupPlan:
         # those of every Adam plan of its group on its device (None: another plan's launch computes them)
         self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
         self.tables = sum((_tables(layout, device, self.executor) for layout in self.layouts), ())
+        self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -341,6 +368,7 @@ class GroupPlan:
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
             V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
             M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
+            M_FLAT=self.flat[0], V_FLAT=self.flat[1],
             PDL=self.pdl, num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
             **({"launch_pdl": True} if self.pdl else {}),
         )

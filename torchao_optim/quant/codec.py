@@ -20,17 +20,24 @@ more than one boundary, so the code is the candidate ``c`` or ``c + 1``, decided
 ``B[c]``; the second table stores, beside each candidate, where in its bucket that comparison switches, so
 that it is made on the low mantissa bits. Two small table loads and a few integer operations, whatever the
 codebook.
+
+**One load.** Giving every exponent the same number ``m`` of mantissa bits, the most any of them needs (3 for
+the 4-bit codebooks, 6 and 7 for the dynamic 8-bit maps), makes the first table's offset a multiple of the index
+and its shift a constant: the second table alone, ``512 << m`` entries indexed by the top ``9 + m`` bits of
+``y`` (sign, exponent, and ``m`` mantissa bits, flipped for ``y < 0``), gives the code in one load
+(:func:`flat_keyed`). The same buckets split finer, so the same codes; a larger table, of which a step reads
+the few rows of the exponents its values have.
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["BucketTables", "bucket_tables", "decision_boundaries", "encode", "encode_search", "pack_nibbles",
-           "unpack_nibbles"]
+__all__ = ["BucketTables", "bucket_tables", "decision_boundaries", "encode", "encode_search", "flat_keyed",
+           "nibble_pairs", "pack_nibbles", "unpack_nibbles"]
 
 _MANTISSA_BITS = 23
 _MAX_BUCKET_BITS = 12  # per exponent; a codebook needing more has values closer than 2**-12 relative
@@ -180,14 +187,16 @@ def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> Tuple[torch
     return lo_mag, hi_mag
 
 
-def _build_tables(values: Tuple[float, ...], never_zero: bool) -> BucketTables:
+def _build_tables(values: Tuple[float, ...], never_zero: bool, min_bits: int = 0) -> BucketTables:
+    """The tables, each exponent given the fewest mantissa bits (at least ``min_bits``) that separate its
+    boundaries."""
     bounds = decision_boundaries(values, never_zero)
     level1 = torch.zeros(256, dtype=torch.int64)
     level2 = []
     offset = 0
     for negative in (False, True):
         for exponent in range(128):
-            for bits in range(_MAX_BUCKET_BITS + 1):
+            for bits in range(min_bits, _MAX_BUCKET_BITS + 1):
                 first, last = _bucket_ends(exponent, bits, negative)
                 lo_code, hi_code = encode_search(first, bounds), encode_search(last, bounds)
                 if bool((hi_code - lo_code <= 1).all()):
@@ -245,6 +254,27 @@ def _on_device(key: tuple, device: torch.device) -> BucketTables:
     return _TABLES[key].to(device)
 
 
+@functools.lru_cache(maxsize=None)
+def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
+               max_bits: int = _MAX_BUCKET_BITS) -> Optional[Tuple[torch.Tensor, int]]:
+    """The encoder in one table load, for a codebook whose exponents each need at most ``max_bits`` mantissa
+    bits; else None. Returns (``table``, ``shift``): int32 ``(512 << m,)`` with ``m = 23 - shift`` the most bits
+    any exponent needs. For ``f``, ``y``'s fp32 bits with the 23 mantissa bits flipped where ``y < 0``, the
+    code is ``(table[f >> shift] + (f & 0x7FFFFF)) >> 24`` (unsigned shifts): the entries are those of
+    :meth:`BucketTables.level2_keyed` for tables built with ``m`` bits for every exponent, the row of
+    ``(sign, exponent)`` at ``(256 * sign + exponent) << m`` (exponents above 127, ``|y| >= 2``, which never
+    occurs, repeat exponent 127's). For a codebook without negative values the flip may be left out, as for
+    the two-load form: every negative ``y`` has one code."""
+    values = tuple(float(v) for v in values)
+    standard = bucket_tables(values, never_zero)
+    m = int((_MANTISSA_BITS - (standard.level1 & 31)).max())
+    if m > max_bits:
+        return None
+    rows = _build_tables(values, bool(never_zero), min_bits=m).level2_keyed().view(2, 128, 1 << m)
+    table = torch.cat([rows, rows[:, 127:].expand(2, 128, 1 << m)], dim=1).reshape(-1).contiguous()
+    return table, _MANTISSA_BITS - m
+
+
 def encode(y: torch.Tensor, tables: BucketTables) -> torch.Tensor:
     """The code (uint8) of each ``y`` (fp32 in [-1, 1], no NaN) by the rule of the module docstring, in O(1):
     two table loads (:meth:`BucketTables.level1_by_bits`, :meth:`BucketTables.level2_with_bounds`) and
@@ -272,6 +302,13 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
         codes = torch.cat([codes, codes.new_zeros(1)])
     pairs = codes.view(-1, 2)
     return pairs[:, 0] | (pairs[:, 1] << 4)
+
+
+def nibble_pairs(values: torch.Tensor) -> torch.Tensor:
+    """The values of both elements of every code byte of :func:`pack_nibbles`: fp32 ``(256, 2)``, row ``b`` is
+    ``(values[b & 15], values[b >> 4])``, for ``values`` a 16-entry decode table. One 8-byte load decodes a byte."""
+    byte = torch.arange(256)
+    return torch.stack([values[byte & 15], values[byte >> 4]], dim=1).to(torch.float32).contiguous()
 
 
 def unpack_nibbles(packed: torch.Tensor, numel: int) -> torch.Tensor:
