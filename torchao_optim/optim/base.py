@@ -153,7 +153,15 @@ def flat_aliases(p: Tensor, grad: Tensor, states: Sequence[Optional[Tensor]]):
         return p, grad, list(states)
     shape = step_shape(p, states)
     grad = grad if grad.is_contiguous() else grad.contiguous()
-    return alias(p, shape), alias(grad, shape), [None if s is None else alias(s, shape) for s in states]
+    out = [alias(p, shape), alias(grad, shape)] + [None if s is None else alias(s, shape) for s in states]
+    if len(shape) == 2:
+        # (n_blocks, block_size): the block size is the format's, a constant of the graph, not a size for
+        # dynamo to reason about (with it symbolic, tracing spends a third of its time on symbolic arithmetic
+        # and guards). Only on the aliases made here: a caller's own tensor is never marked.
+        for new, old in zip(out, [p, grad] + list(states)):
+            if new is not None and new is not old:
+                torch._dynamo.mark_static(new, 1)
+    return out[0], out[1], out[2:]
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
