@@ -37,8 +37,17 @@ def n_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
 
+def _is_blocks(x: torch.Tensor, block_size: int) -> bool:
+    """Whether ``x`` is already whole blocks, ``(n_blocks, block_size)``: the compiled path's shape for a quantized
+    parameter (``optim.base.step_shape``), with its block-size dimension static. Its flattening and slicing are
+    then skipped: each would be more symbolic arithmetic to trace, for the same values."""
+    return x.dim() == 2 and x.shape[1] == block_size and x.is_contiguous()
+
+
 def as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x`` flattened and zero-padded to whole blocks: shape (n_blocks, block_size)."""
+    if _is_blocks(x, block_size):
+        return x
     flat = x.reshape(-1)
     pad = (-flat.numel()) % block_size
     # Sizes that are whole blocks (nearly all large tensors) need no padding: a compiled graph for them
@@ -84,7 +93,9 @@ def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.T
     blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
     lift = torch.where(absmax < TINY, 2.0**64, 1.0)  # (n_blocks,)
     inv = 1.0 / torch.where(absmax > 0, absmax * lift, 1.0)
-    y = (blocks * lift[:, None] * inv[:, None]).reshape(-1)[: x.numel()]
+    y = (blocks * lift[:, None] * inv[:, None]).reshape(-1)
+    if not _is_blocks(x, block_size):
+        y = y[: x.numel()]
     # y != y is NaN: a vector compare in inductor's C++ backend, where isnan is a scalar loop per vector
     return torch.where(y != y, 0.0, y).clamp(-1.0, 1.0)
 
@@ -124,5 +135,7 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codebook: Se
     codes = codes if bits == 8 else unpack_nibbles(codes, numel)
     # int32 indexes: inductor's C++ backend loads a table lane by lane, and int64 indexes double that work
     values = codebook_tensor(codebook, codes)[codes.to(torch.int32)]
+    if len(shape) == 2 and shape[1] == block_size:  # whole blocks, as the compiled path shapes them
+        return (values.view(shape) * absmax[:, None]).to(dtype)
     blocks = as_blocks(values, block_size) * absmax[:, None]  # (n_blocks, block_size)
     return blocks.reshape(-1)[:numel].view(shape).to(dtype)
