@@ -254,7 +254,6 @@ def _on_device(key: tuple, device: torch.device) -> BucketTables:
     return _TABLES[key].to(device)
 
 
-@functools.lru_cache(maxsize=None)
 def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
                max_bits: int = _MAX_BUCKET_BITS) -> Optional[Tuple[torch.Tensor, int]]:
     """The encoder in one table load, for a codebook whose exponents each need at most ``max_bits`` mantissa
@@ -268,9 +267,12 @@ def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
     values = tuple(float(v) for v in values)
     standard = bucket_tables(values, never_zero)
     m = int((_MANTISSA_BITS - (standard.level1 & 31)).max())
-    if m > max_bits:
-        return None
-    rows = _build_tables(values, bool(never_zero), min_bits=m).level2_keyed().view(2, 128, 1 << m)
+    return _flat_table(values, bool(never_zero), m) if m <= max_bits else None
+
+
+@functools.lru_cache(maxsize=None)
+def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[torch.Tensor, int]:
+    rows = _build_tables(values, never_zero, min_bits=m).level2_keyed().view(2, 128, 1 << m)
     table = torch.cat([rows, rows[:, 127:].expand(2, 128, 1 << m)], dim=1).reshape(-1).contiguous()
     return table, _MANTISSA_BITS - m
 
