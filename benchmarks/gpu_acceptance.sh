@@ -3,7 +3,8 @@
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; the memory benchmark's parts, each within ten minutes, are
-# "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "convergence" trains the gpt10m preset with
+# "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
+# first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
 # fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
 # finishes is kept; CONVERGENCE_OPTIMS picks the optimizers); OPTIMS, GEOMETRIES, DTYPES and STEPS are
 # handed to benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt,
@@ -57,6 +58,16 @@ fi
 if has memory_fit_ours_offload; then
     python benchmarks/benchmark_memory.py --configs AdamW8bitSR-offload,AdamW8bitSR-offload-backward --iters 3 \
         --warmup 1 --out "$OUT/memory/fit_ours_offload" 2>&1 | tee "$OUT/memory_fit_ours_offload.txt"
+fi
+# The compiled path's first step with cold caches: each optimizer alone in a fresh process (a process's first
+# compile pays for loading the compiler stack too, as a user's does), ViT-B fp32; then its CUDA tests.
+if has compiled_first; then
+    for optim in ${COMPILED_OPTIMS:-AdamWCompiled-dtq8 AdamWCompiled-4bit_rank1}; do
+        TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/benchmark_step.py \
+            --geometries vit_b --dtypes fp32 --optims "$optim" --steps 20 --out "$OUT/compiled_first/$optim" 2>&1 \
+            | grep -E "^\| $optim " | tee -a "$OUT/compiled_first.txt"
+    done
+    python -m pytest test/test_compiled_step.py -q -k cuda 2>&1 | tail -2 | tee -a "$OUT/compiled_first.txt"
 fi
 if has convergence; then
     for optim in ${CONVERGENCE_OPTIMS:-AdamW AdamW-dtq8 AdamW-4bit AdamW-fp8}; do
