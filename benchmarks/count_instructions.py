@@ -131,8 +131,8 @@ def main():
     ap.add_argument("--maxnreg", default="auto",
                     help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)")
     ap.add_argument("--flat-bits", type=int, default=None,
-                    help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa bits "
-                         "per exponent (default: optim.fused.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
+                    help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa "
+                         "bits per exponent (default: optim.fused.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
     if args.flat_bits is not None:

@@ -43,7 +43,8 @@ def main():
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
-    configs = [(i, bool(int(f)), w, r, t, d, b) for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
+    configs = [(i, bool(int(f)), w, r, t, d, b)
+               for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
                for w in map(int, args.warps.split(",")) for r in args.maxnreg.split(",")
                for t in map(int, args.tail.split(",")) for d in map(int, args.pdl.split(","))
                for b in map(int, args.flat_bits.split(","))]
@@ -56,15 +57,16 @@ def main():
         if floor is None:  # the format's own bytes moved, over the copy bandwidth
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
-            print("| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs | spills |")
+            print("| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs "
+                  "| spills |")
             print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} | {ms:.3f} "
-              f"| {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
+        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
+              f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
         del opt
         torch.cuda.empty_cache()
 

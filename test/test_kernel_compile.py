@@ -58,8 +58,8 @@ signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*f
 constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
                  VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, RULE=rule, NESTEROV=False,
                  MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True,
-                 S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=True).fast_path_layout(),
-                                   "triton"))
+                 S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=True)
+                                   .fast_path_layout(), "triton"))
 print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 """
 

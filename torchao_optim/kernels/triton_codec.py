@@ -209,16 +209,11 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits
     0: always two loads)."""
     import torch
 
-    from torchao_optim.optim.fused import FLAT_MAX_BITS
-    from torchao_optim.quant.codec import bucket_tables, flat_keyed
+    from torchao_optim.optim.fused import FLAT_MAX_BITS, codebook_flat_shift, encoder_tables
 
-    max_bits = FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits
-    one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
-    if one is not None:
-        level1, level2, shift = one[0].to(y.device), one[0].to(y.device), one[1]
-    else:
-        tables = bucket_tables(tuple(codebook), never_zero)
-        level1, level2, shift = tables.level1_by_bits().to(y.device), tables.level2_keyed().to(y.device), 0
+    codebook = tuple(codebook)
+    shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits)
+    level1, level2 = encoder_tables(codebook, never_zero, y.device, "triton", shift)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,

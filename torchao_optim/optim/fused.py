@@ -171,8 +171,8 @@ def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
     if layout == "fp32":
         placeholder = _placeholder(device)
         return (placeholder,) * 3
-    return (_decode_table(layout, device, executor),) + _encoder_tables(layout, device, executor,
-                                                                        flat_shift(layout, executor))
+    return (_decode_table(layout, device, executor),) + encoder_tables(layout.codebook, layout.never_zero, device,
+                                                                       executor, flat_shift(layout, executor))
 
 
 @functools.lru_cache(maxsize=None)
@@ -191,21 +191,27 @@ def flat_shift(layout, executor: str) -> int:
     """The Triton kernels' ``FLAT`` constexpr for a layout: the shift of its codebook's one-load encoder
     (``codec.flat_keyed`` within :data:`FLAT_MAX_BITS`), or 0 where it has none (and for plain fp32 state and the
     other executors)."""
-    if layout == "fp32" or executor != "triton" or not FLAT_MAX_BITS:
+    if layout == "fp32" or executor != "triton":
         return 0
-    one = flat_keyed(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
+    return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
+
+
+def codebook_flat_shift(codebook, never_zero: bool, max_bits: int) -> int:
+    """The shift of a codebook's one-load encoder where it needs at most ``max_bits`` mantissa bits per exponent,
+    else 0 (two loads)."""
+    one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
     return 0 if one is None else one[1]
 
 
 @functools.lru_cache(maxsize=None)
-def _encoder_tables(layout, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
-    """The encoder's tables in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits, and
-    level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table of
-    codec.flat_keyed, twice (the Triton kernels read the first)."""
+def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
+    """The encoder's tables of a codebook in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits,
+    and level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table
+    of codec.flat_keyed, twice (the Triton kernels read the first)."""
     if shift:
-        table = flat_keyed(layout.codebook, layout.never_zero, 23 - shift)[0].to(device)
+        table = flat_keyed(codebook, never_zero, 23 - shift)[0].to(device)
         return table, table
-    t = bucket_tables(layout.codebook, layout.never_zero)
+    t = bucket_tables(codebook, never_zero)
     level2 = t.level2_keyed() if executor == "triton" else t.level2_with_bounds()
     return t.level1_by_bits().to(device), level2.to(device)
 

@@ -37,11 +37,15 @@ def n_blocks(numel: int, block_size: int) -> int:
     return (numel + block_size - 1) // block_size
 
 
+def _whole_blocks(shape, block_size: int) -> bool:
+    """Whether ``shape`` is already whole blocks, ``(n_blocks, block_size)``: the compiled path's shape for a
+    quantized parameter (``optim.base.step_shape``), with its block-size dimension static. Flattening and slicing
+    are then skipped: each would be more symbolic arithmetic to trace, for the same values."""
+    return len(shape) == 2 and shape[1] == block_size
+
+
 def _is_blocks(x: torch.Tensor, block_size: int) -> bool:
-    """Whether ``x`` is already whole blocks, ``(n_blocks, block_size)``: the compiled path's shape for a quantized
-    parameter (``optim.base.step_shape``), with its block-size dimension static. Its flattening and slicing are
-    then skipped: each would be more symbolic arithmetic to trace, for the same values."""
-    return x.dim() == 2 and x.shape[1] == block_size and x.is_contiguous()
+    return _whole_blocks(x.shape, block_size) and x.is_contiguous()
 
 
 def as_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -135,7 +139,7 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codebook: Se
     codes = codes if bits == 8 else unpack_nibbles(codes, numel)
     # int32 indexes: inductor's C++ backend loads a table lane by lane, and int64 indexes double that work
     values = codebook_tensor(codebook, codes)[codes.to(torch.int32)]
-    if len(shape) == 2 and shape[1] == block_size:  # whole blocks, as the compiled path shapes them
+    if _whole_blocks(shape, block_size):
         return (values.view(shape) * absmax[:, None]).to(dtype)
     blocks = as_blocks(values, block_size) * absmax[:, None]  # (n_blocks, block_size)
     return blocks.reshape(-1)[:numel].view(shape).to(dtype)
