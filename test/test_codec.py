@@ -23,6 +23,7 @@ CODEBOOKS = {
     "made-up quadratic": (made_up_formats._cubic(False), True),
     "4-bit dynamic map": (tuple(create_dynamic_map(True, 3, 4).tolist()), False),
     "4-bit grid": (tuple(torch.linspace(0, 1, 16).tolist()), True),
+    "8-bit grid without zero": (tuple((i + 1) / 256 for i in range(256)), False),
     "4bit signed": _layout_codebook("4bit", True),
     "4bit unsigned": _layout_codebook("4bit", False),
     "fp8 signed": _layout_codebook("fp8", True),
@@ -71,16 +72,37 @@ def test_compiled_encoder_equals_search(case):
 
 @pytest.mark.skipif(not fused_available("cuda") and not fused_available("cpu"),
                     reason="needs Triton (a GPU, or its interpreter)")
-@pytest.mark.parametrize("flat_max_bits", [0, 12], ids=["two-loads", "one-load"])
-def test_kernel_encoder_equals_search(case, flat_max_bits):
+@pytest.mark.parametrize("flat_max_bits, grid", [(0, False), (12, False), (None, True)],
+                         ids=["two-loads", "one-load", "planned"])
+def test_kernel_encoder_equals_search(case, flat_max_bits, grid):
     """Also for negative inputs to a codebook without negative values, which the kernels' encoder reads with
-    its key's sign part left out. Both forms of the encoder: two loads, and one (``codec.flat_keyed``, which the
-    fused kernels use where a codebook needs at most ``optim.fused.FLAT_MAX_BITS`` mantissa bits per exponent)."""
+    its key's sign part left out. Every form of the encoder: two loads, one (``codec.flat_keyed``, which the
+    fused kernels use where a codebook needs at most ``optim.fused.FLAT_MAX_BITS`` mantissa bits per exponent),
+    and the form the planner picks, which for an even grid (``codec.grid_bits``) reads no table."""
     from torchao_optim.kernels.triton_codec import quantize_nearest_triton
 
     name, codebook, never_zero, y, ref = case
     device = "cuda" if fused_available("cuda") else "cpu"
-    assert torch.equal(quantize_nearest_triton(y.to(device), codebook, never_zero, flat_max_bits).cpu(), ref), name
+    codes = quantize_nearest_triton(y.to(device), codebook, never_zero, flat_max_bits, grid).cpu()
+    assert torch.equal(codes, ref), name
+
+
+def test_grid_codebooks():
+    """The even grids ``(i + 1) / 2**k`` are recognized (4-bit ``exp_avg_sq``'s among them), and nothing else: not
+    a grid with a zero level, a shifted or uneven one, or one whose boundary above zero ``never_zero`` moved."""
+    from torchao_optim.quant.codec import grid_bits
+    from torchao_optim.state.fourbit import linear_map_without_zero
+
+    assert grid_bits(linear_map_without_zero(4)) == 4
+    assert grid_bits(tuple((i + 1) / 256 for i in range(256))) == 8
+    assert grid_bits((0.5, 1.0)) == 1
+    assert grid_bits(tuple(i / 16 for i in range(16))) == 0  # a zero level
+    assert grid_bits(tuple(i / 15 for i in range(16))) == 0
+    assert grid_bits(tuple((i + 1) / 16 for i in range(15))) == 0  # not a power of two of values
+    assert grid_bits(tuple(i / 8 for i in range(9)), never_zero=True) == 0
+    uneven = list(linear_map_without_zero(4))
+    uneven[3] += 2**-20
+    assert grid_bits(tuple(uneven)) == 0
 
 
 def test_one_load_tables_of_the_built_in_codebooks():

@@ -21,7 +21,23 @@ LIFT: tl.constexpr = tl.constexpr(2.0**64)
 
 
 @triton.jit
-def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0):
+def encode_grid(y, FLAT: tl.constexpr, PTX: tl.constexpr):
+    """Codes (int32) of ``y`` for the even grid ``(i + 1) * 2**FLAT`` (``FLAT`` < 0; ``quant.codec.grid_bits``
+    gives ``-FLAT``): ``ceil(y * 2**-FLAT - 1.5)`` clamped to the codes, with no table. ``y * 2**-FLAT`` is exact,
+    so contracting it and the subtraction into one FMA changes nothing. With PTX the conversion rounds up and
+    saturates at 0 in one instruction."""
+    scale = tl.full((), (127 - FLAT) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**-FLAT
+    t = y * scale - 1.5
+    if PTX:
+        code = tl.inline_asm_elementwise("cvt.rpi.sat.u32.f32 $0, $1;", "=r,f", [t], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        code = tl.maximum(tl.math.ceil(t), 0.0).to(tl.int32)
+    return tl.minimum(code, (1 << -FLAT) - 1)
+
+
+@triton.jit
+def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0, PTX: tl.constexpr = False):
     """The codes of ``y`` (fp32 in [-1, 1], no NaN) in the top byte of int32 words whose other bits are not
     zero: torchao_optim.quant.codec.encode, in Triton (:func:`encode` shifts them down; an 8-bit store takes
     the top bytes as they are).
@@ -32,28 +48,36 @@ def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constex
     exclusive-or with the sign spread over the word), so one addition decides for both signs. Not ``SIGNED``
     (a codebook without negative values, ``StateLayout.signed``): every negative ``y`` has one code whatever
     its key, the flip is left out (an instruction per element). ``FLAT``, not 0: ``level1`` is the one table
-    of ``codec.flat_keyed`` and ``FLAT`` its shift (``level2`` is not read): one load instead of two.
+    of ``codec.flat_keyed`` and ``FLAT`` its shift (``level2`` is not read): one load instead of two. ``FLAT``
+    below 0: an even grid's arithmetic code (:func:`encode_grid`; no table is read), shifted into the top byte.
     """
-    bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
-    if FLAT:
-        if SIGNED:  # the mantissa's bits flipped for y < 0 (one LOP3: bits ^ (spread sign & mask))
-            bits = bits ^ ((bits >> 31) & 0x7FFFFF)
-        packed = tl.load(level1 + (bits.to(tl.uint32, bitcast=True) >> FLAT).to(tl.int32))
-        return packed + (bits & 0x7FFFFF)
-    entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
-    if SIGNED:
-        key = (bits ^ (bits >> 31)) & 0x7FFFFF
+    if FLAT < 0:
+        high = encode_grid(y, FLAT, PTX) << 24
     else:
-        key = bits & 0x7FFFFF
-    packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31))))
-    # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly when
-    # key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
-    return packed + key
+        bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
+        if FLAT:
+            if SIGNED:  # the mantissa's bits flipped for y < 0 (one LOP3: bits ^ (spread sign & mask))
+                bits = bits ^ ((bits >> 31) & 0x7FFFFF)
+            packed = tl.load(level1 + (bits.to(tl.uint32, bitcast=True) >> FLAT).to(tl.int32))
+            high = packed + (bits & 0x7FFFFF)
+        else:
+            entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
+            if SIGNED:
+                key = (bits ^ (bits >> 31)) & 0x7FFFFF
+            else:
+                key = bits & 0x7FFFFF
+            packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31))))
+            # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly
+            # when key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
+            high = packed + key
+    return high
 
 
 @triton.jit
-def encode(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0):
-    """Codes (int32) of ``y``: :func:`encode_high`'s top bytes."""
+def encode(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constexpr = 0, PTX: tl.constexpr = False):
+    """Codes (int32) of ``y``: :func:`encode_high`'s top bytes (an even grid's straight from :func:`encode_grid`)."""
+    if FLAT < 0:
+        return encode_grid(y, FLAT, PTX)
     return (encode_high(y, level1, level2, SIGNED, FLAT).to(tl.uint32, bitcast=True) >> 24).to(tl.int32)
 
 
@@ -173,9 +197,9 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         # top code: no clamp needed
         if BITS == 8:
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
-                     _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT), PTX), mask=mask)
+                     _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT, PTX), PTX), mask=mask)
         else:
-            code = encode(y, level1, level2, SIGNED, FLAT)
+            code = encode(y, level1, level2, SIGNED, FLAT, PTX)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)
@@ -194,28 +218,31 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
 
 
 @triton.jit
-def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr):
+def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr,
+                   PTX: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED, FLAT).to(tl.uint8), mask=mask)
+    tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED, FLAT, PTX).to(tl.uint8), mask=mask)
 
 
-def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits: Optional[int] = None):
+def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits: Optional[int] = None,
+                            grid: bool = True):
     """``torchao_optim.quant.quantize_nearest`` through the kernels' encoder (for tests): uint8 codes of ``y``
     (fp32 in [-1, 1], contiguous, on a device the kernels run on), specialized as the fused kernels are for the
-    codebook's sign (``StateLayout.signed``) and, where ``quant.codec.flat_keyed(..., flat_max_bits)`` has a
-    one-load form for the codebook, in that form (``None``: the planner's limit, ``optim.fused.FLAT_MAX_BITS``;
-    0: always two loads)."""
+    codebook's sign (``StateLayout.signed``) and its encoder's form: an even grid's arithmetic (unless not
+    ``grid``), else, where ``quant.codec.flat_keyed(..., flat_max_bits)`` has a one-load form for the codebook,
+    that form (``None``: the planner's limit, ``optim.fused.FLAT_MAX_BITS``; 0: always two loads)."""
     import torch
 
-    from torchao_optim.optim.fused import FLAT_MAX_BITS, codebook_flat_shift, encoder_tables
+    from torchao_optim.optim.fused import FLAT_MAX_BITS, _interpreter, codebook_flat_shift, encoder_tables
 
     codebook = tuple(codebook)
-    shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits)
+    shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits,
+                                grid)
     level1, level2 = encoder_tables(codebook, never_zero, y.device, "triton", shift)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,
-                                                     SIGNED=min(codebook) < 0, FLAT=shift)
+                                                     SIGNED=min(codebook) < 0, FLAT=shift, PTX=not _interpreter())
     return out

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from torchao_optim.optim.sharded import local
 from torchao_optim.quant import bucket_tables
-from torchao_optim.quant.codec import flat_keyed, nibble_pairs
+from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
@@ -188,17 +188,20 @@ def _decode_table(layout, device, executor: str) -> Tensor:
 
 
 def flat_shift(layout, executor: str) -> int:
-    """The Triton kernels' ``FLAT`` constexpr for a layout: the shift of its codebook's one-load encoder
-    (``codec.flat_keyed`` within :data:`FLAT_MAX_BITS`), or 0 where it has none (and for plain fp32 state and the
-    other executors)."""
+    """The Triton kernels' ``FLAT`` constexpr for a layout, the form of its encoder (:func:`codebook_flat_shift`); 0
+    for plain fp32 state and the other executors."""
     if layout == "fp32" or executor != "triton":
         return 0
     return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
 
 
-def codebook_flat_shift(codebook, never_zero: bool, max_bits: int) -> int:
-    """The shift of a codebook's one-load encoder where it needs at most ``max_bits`` mantissa bits per exponent,
-    else 0 (two loads)."""
+def codebook_flat_shift(codebook, never_zero: bool, max_bits: int, grid: bool = True) -> int:
+    """The form of a codebook's encoder in the Triton kernels (their ``FLAT`` constexpr): ``-k`` for the even grid
+    ``(i + 1) / 2**k`` (``codec.grid_bits``: arithmetic, no table; unless not ``grid``), else the shift of its
+    one-load encoder where it needs at most ``max_bits`` mantissa bits per exponent, else 0 (two loads)."""
+    k = grid_bits(tuple(codebook), bool(never_zero)) if grid else 0
+    if k:
+        return -k
     one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
     return 0 if one is None else one[1]
 
@@ -207,7 +210,11 @@ def codebook_flat_shift(codebook, never_zero: bool, max_bits: int) -> int:
 def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
     """The encoder's tables of a codebook in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits,
     and level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table
-    of codec.flat_keyed, twice (the Triton kernels read the first)."""
+    of codec.flat_keyed, twice (the Triton kernels read the first); below 0 (an even grid's arithmetic encoder),
+    placeholders."""
+    if shift < 0:
+        placeholder = _placeholder(device)
+        return placeholder, placeholder
     if shift:
         table = flat_keyed(codebook, never_zero, 23 - shift)[0].to(device)
         return table, table

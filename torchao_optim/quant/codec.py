@@ -27,6 +27,12 @@ and its shift a constant: the second table alone, ``512 << m`` entries indexed b
 ``y`` (sign, exponent, and ``m`` mantissa bits, flipped for ``y < 0``), gives the code in one load
 (:func:`flat_keyed`). The same buckets split finer, so the same codes; a larger table, of which a step reads
 the few rows of the exponents its values have.
+
+**No table.** A codebook that is the even grid ``(i + 1) / 2**k`` for ``i < 2**k`` (a linear map without a zero
+level, as 4-bit ``exp_avg_sq``'s) has the boundaries ``(i + 1.5) / 2**k``, so the rule's code is
+``min(max(ceil(y * 2**k - 1.5), 0), 2**k - 1)``. In fp32 that is exact: ``y * 2**k`` is, and subtracting 1.5
+from it is wherever the result can reach 0 or above (:func:`grid_bits`; the fused kernels' encoder for such a
+codebook, two arithmetic instructions and a clamp instead of a table load).
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 __all__ = ["BucketTables", "bucket_tables", "decision_boundaries", "encode", "encode_search", "flat_keyed",
-           "nibble_pairs", "pack_nibbles", "unpack_nibbles"]
+           "grid_bits", "nibble_pairs", "pack_nibbles", "unpack_nibbles"]
 
 _MANTISSA_BITS = 23
 _MAX_BUCKET_BITS = 12  # per exponent; a codebook needing more has values closer than 2**-12 relative
@@ -275,6 +281,24 @@ def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[to
     rows = _build_tables(values, never_zero, min_bits=m).level2_keyed().view(2, 128, 1 << m)
     table = torch.cat([rows, rows[:, 127:].expand(2, 128, 1 << m)], dim=1).reshape(-1).contiguous()
     return table, _MANTISSA_BITS - m
+
+
+@functools.lru_cache(maxsize=None)
+def grid_bits(values: Tuple[float, ...], never_zero: bool = False) -> int:
+    """``k`` where the codebook is the even grid ``(i + 1) / 2**k``, ``i < 2**k`` (``k`` from 1 to 8), and its
+    boundaries those of the rule, ``(i + 1.5) / 2**k``; else 0. Such a codebook's code is arithmetic (module
+    docstring, "No table"). ``y * 2**k`` is exact, and for ``a = y * 2**k >= 0.75`` so is ``a - 1.5`` (1.5 is a
+    multiple of ``a``'s unit in the last place, and the difference is smaller than ``a``); below that, and for
+    ``y < 0``, the code is 0 whatever the rounding."""
+    n = len(values)
+    k = n.bit_length() - 1
+    if n < 2 or n != 1 << k or k > 8:
+        return 0
+    grid = tuple(float(i + 1) / n for i in range(n))
+    if tuple(float(v) for v in values) != grid:
+        return 0
+    midpoints = torch.tensor([(i + 1.5) / n for i in range(n - 1)], dtype=torch.float32)
+    return k if torch.equal(decision_boundaries(values, never_zero), midpoints) else 0
 
 
 def encode(y: torch.Tensor, tables: BucketTables) -> torch.Tensor:
