@@ -285,20 +285,17 @@ def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[to
 
 @functools.lru_cache(maxsize=None)
 def grid_bits(values: Tuple[float, ...], never_zero: bool = False) -> int:
-    """``k`` where the codebook is the even grid ``(i + 1) / 2**k``, ``i < 2**k`` (``k`` from 1 to 8), and its
-    boundaries those of the rule, ``(i + 1.5) / 2**k``; else 0. Such a codebook's code is arithmetic (module
-    docstring, "No table"). ``y * 2**k`` is exact, and for ``a = y * 2**k >= 0.75`` so is ``a - 1.5`` (1.5 is a
-    multiple of ``a``'s unit in the last place, and the difference is smaller than ``a``); below that, and for
-    ``y < 0``, the code is 0 whatever the rounding."""
+    """``k`` where the codebook is the even grid ``(i + 1) / 2**k``, ``i < 2**k`` (``k`` from 1 to 8), else 0. Its
+    boundaries are then ``(i + 1.5) / 2**k``, exact in fp32, and its code arithmetic (module docstring, "No
+    table"): ``y * 2**k`` is exact, and for ``a = y * 2**k >= 0.75`` so is ``a - 1.5`` (1.5 is a multiple of
+    ``a``'s unit in the last place, and the difference is smaller than ``a``); below that, and for ``y < 0``, the
+    code is 0 whatever the rounding. Such a codebook has no zero level, so none with ``never_zero`` is one. Plain
+    Python, no tensor: it may run while ``torch.compile`` traces the code that calls it."""
     n = len(values)
     k = n.bit_length() - 1
-    if n < 2 or n != 1 << k or k > 8:
+    if never_zero or n < 2 or n != 1 << k or k > 8:
         return 0
-    grid = tuple(float(i + 1) / n for i in range(n))
-    if tuple(float(v) for v in values) != grid:
-        return 0
-    midpoints = torch.tensor([(i + 1.5) / n for i in range(n - 1)], dtype=torch.float32)
-    return k if torch.equal(decision_boundaries(values, never_zero), midpoints) else 0
+    return k if all(float(v) == (i + 1) / n for i, v in enumerate(values)) else 0
 
 
 def encode(y: torch.Tensor, tables: BucketTables) -> torch.Tensor:
