@@ -48,3 +48,20 @@ class Linear4Tensor(CodebookState):
         grid = torch.linspace(-1, 1, 15) if signed else torch.linspace(0, 1, 16)
         return StateLayout(codes="codes", scales="absmax", block_size=block_size, bits=4,
                            codebook=tuple(grid.tolist()), never_zero=not signed)
+
+
+@register_state_format("test_grid8")
+class Grid8Tensor(CodebookState):
+    """8-bit codes; ``exp_avg_sq``'s codebook the even grid ``(i + 1) / 256`` with no zero level, which the fused
+    kernels encode with no table (``quant.codec.grid_bits``), ``exp_avg``'s the made-up cubic one."""
+
+    attr_fields = ("signed", "block_size")
+
+    @classmethod
+    def _attrs(cls, signed=None, block_size=None, **attrs):
+        return super()._attrs(block_size=block_size, signed=bool(signed), **attrs)
+
+    @classmethod
+    def layout(cls, *, signed, block_size):
+        codebook = _cubic(True) if signed else tuple((i + 1) / 256 for i in range(256))
+        return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=codebook)

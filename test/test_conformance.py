@@ -14,8 +14,10 @@ from torchao_optim.testing.optimizer_case import EXECUTORS, compiled_or_eager
 # cannot see a 10% lr error (its fp32-state parameter can); its exact checks carry the weight.
 # 4bit: mean 0.237, max 0.762 (its 4-bit exp_avg is the coarse part: 16 levels); 4bit_rank1: mean 0.138, max 0.697
 # (these gradients' magnitudes vary by e^4 within a block, which rank-1 scales follow better). Bounds at 2-2.2x.
-PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "4bit": (0.5, 1.6),
-                    "4bit_rank1": (0.3, 1.5)}
+# test_grid8: mean 0.115, max 0.70 (its exp_avg_sq grid, (i + 1) / 256, rounds small values up to 1/256 of the
+# block's absmax, as test_linear4's). Bounds at 2.1-2.2x.
+PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "test_grid8": (0.25, 1.5),
+                    "4bit": (0.5, 1.6), "4bit_rank1": (0.3, 1.5)}
 
 
 def _fusable(fmt: str) -> bool:
