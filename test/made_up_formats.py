@@ -51,15 +51,9 @@ class Linear4Tensor(CodebookState):
 
 
 @register_state_format("test_grid8")
-class Grid8Tensor(CodebookState):
+class Grid8Tensor(Cubic8Tensor):
     """8-bit codes; ``exp_avg_sq``'s codebook the even grid ``(i + 1) / 256`` with no zero level, which the fused
     kernels encode with no table (``quant.codec.grid_bits``), ``exp_avg``'s the made-up cubic one."""
-
-    attr_fields = ("signed", "block_size")
-
-    @classmethod
-    def _attrs(cls, signed=None, block_size=None, **attrs):
-        return super()._attrs(block_size=block_size, signed=bool(signed), **attrs)
 
     @classmethod
     def layout(cls, *, signed, block_size):
