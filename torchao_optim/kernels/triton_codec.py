@@ -23,9 +23,10 @@ LIFT: tl.constexpr = tl.constexpr(2.0**64)
 @triton.jit
 def encode_grid(y, FLAT: tl.constexpr, PTX: tl.constexpr):
     """Codes (int32) of ``y`` for the even grid ``(i + 1) * 2**FLAT`` (``FLAT`` < 0; ``quant.codec.grid_bits``
-    gives ``-FLAT``): ``ceil(y * 2**-FLAT - 1.5)`` clamped to the codes, with no table. ``y * 2**-FLAT`` is exact,
-    so contracting it and the subtraction into one FMA changes nothing. With PTX the conversion rounds up and
-    saturates at 0 in one instruction."""
+    gives ``-FLAT``): ``ceil(y * 2**-FLAT - 1.5)``, at least 0, with no table. ``y * 2**-FLAT`` is exact, so
+    contracting it and the subtraction into one FMA changes nothing. With PTX the conversion rounds up and
+    saturates at 0 in one instruction. No clamp at the top: ``y <= 1`` (up to the rounding of ``1 / absmax``, far
+    less than half a step) gives at most the last code."""
     scale = tl.full((), (127 - FLAT) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**-FLAT
     t = y * scale - 1.5
     if PTX:
@@ -33,7 +34,7 @@ def encode_grid(y, FLAT: tl.constexpr, PTX: tl.constexpr):
                                          pack=1)
     else:
         code = tl.maximum(tl.math.ceil(t), 0.0).to(tl.int32)
-    return tl.minimum(code, (1 << -FLAT) - 1)
+    return code
 
 
 @triton.jit
@@ -208,11 +209,10 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         scales = scales.to(tl.pointer_type(tl.float32))
         if QBLOCK == BLOCK:
             tl.store(scales + blk, absmax)
-        else:  # one scalar store per block: every thread holds every block's absmax, so no data moves
+        else:  # each thread holds its own block's absmax (the reduction's layout): one store per block, with no
+            # shuffles to gather every block's into every thread first
             rows = tl.arange(0, BLOCK // QBLOCK)
-            for r in tl.static_range(BLOCK // QBLOCK):
-                tl.store(scales + blk * (BLOCK // QBLOCK) + r, tl.sum(tl.where(rows == r, absmax, 0.0), axis=0),
-                         mask=r * QBLOCK < n_valid)
+            tl.store(scales + blk * (BLOCK // QBLOCK) + rows, absmax, mask=rows * QBLOCK < n_valid)
     else:
         tl.store(codes.to(tl.pointer_type(tl.float32)) + start + local, x, mask=mask)
 
