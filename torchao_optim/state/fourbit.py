@@ -166,14 +166,15 @@ class FourBitRank1Tensor(FourBitTensor):
         if not rows:
             return dict(super().quantize_fields(x, **attrs), row_marks=x.new_zeros(0, dtype=torch.uint8))
         layout = cls.layout_of(attrs)
+        x = x.float()
+        finite = torch.where(torch.isfinite(x), x.abs(), 0.0)
         # through the flat shape: reshaping the optimizer's (blocks, block_size) view straight to (rows, cols)
         # would guard on how the two divide, and compile a graph per row count after all
-        matrix = x.reshape(-1).view(rows, -1).float()  # (rows, cols)
-        finite = torch.where(torch.isfinite(matrix), matrix.abs(), 0.0)
-        row_max, col_max = finite.amax(dim=1), finite.amax(dim=0)  # (rows,), (cols,)
-        scale = torch.minimum(row_max[:, None], col_max[None, :])  # (rows, cols)
+        matrix = finite.reshape(-1).view(rows, -1)  # (rows, cols)
+        row_max, col_max = matrix.amax(dim=1), matrix.amax(dim=0)  # (rows,), (cols,)
+        scale = _element_scales(row_max, col_max, x)
         lift = torch.where(scale < TINY, 2.0**64, 1.0)  # as quant.blockwise.normalize: a subnormal scale
-        y = matrix * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
+        y = x * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
         y = torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0).reshape(-1)
         codes = quantize_nearest(y, layout.codebook, layout.never_zero)
         return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max]),
@@ -194,10 +195,18 @@ class FourBitRank1Tensor(FourBitTensor):
         layout = self.layout_of(self.attrs())
         numel = self.numel()
         codes = unpack_nibbles(self.codes, numel).to(torch.int64)
-        values = codebook_tensor(layout.codebook, self.codes)[codes].view(self.rows, -1)  # (rows, cols)
-        row_max, col_max = self.absmax[: self.rows], self.absmax[self.rows :]
-        scale = torch.minimum(row_max[:, None], col_max[None, :])
-        return (values * scale).view(-1).view(self.shape).to(dtype or self.dtype)
+        values = codebook_tensor(layout.codebook, self.codes)[codes]
+        scale = _element_scales(self.absmax[: self.rows], self.absmax[self.rows :], values)
+        return (values * scale).view(self.shape).to(dtype or self.dtype)
+
+
+def _element_scales(row_max: torch.Tensor, col_max: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each element's rank-1 scale, ``min(row_max[i], col_max[j])`` for element ``(i, j)`` of the row-major
+    ``(len(row_max), len(col_max))`` matrix, shaped as ``like`` (any shape of as many elements, which the
+    caller's element-wise math keeps: under ``torch.compile`` a chain of views through ``(rows, cols)`` and back
+    made each element's index a nest of symbolic divisions, slower to compile and to run; only the scale's own
+    index goes through the matrix here). Through the flat shape, as ``quantize_fields`` says why."""
+    return torch.minimum(row_max[:, None], col_max[None, :]).view(-1).view(like.shape)
 
 
 @FourBitRank1Tensor.implements_op([aten.slice.Tensor])
