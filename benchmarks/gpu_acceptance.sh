@@ -73,7 +73,7 @@ if has compiled_first; then
         TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/benchmark_step.py \
             --geometries vit_b --dtypes fp32 --optims "${first%% *}" --steps 3 --out "$(mktemp -d)" >/dev/null 2>&1
     fi
-    for optim in ${COMPILED_OPTIMS:-AdamWCompiled-dtq8 AdamWCompiled-4bit_rank1}; do
+    for optim in ${COMPILED_OPTIMS:-AdamWCompiled-dtq8 AdamWCompiled-4bit AdamWCompiled-4bit_rank1}; do
         TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/benchmark_step.py \
             --geometries vit_b --dtypes fp32 --optims "$optim" --steps 20 --out "$OUT/compiled_first/$optim" 2>&1 \
             | grep -E "^\| $optim " | tee -a "$OUT/compiled_first.txt"
