@@ -201,11 +201,11 @@ class FourBitRank1Tensor(FourBitTensor):
 
 
 def _element_scales(row_max: torch.Tensor, col_max: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Each element's rank-1 scale, ``min(row_max[i], col_max[j])`` for element ``(i, j)`` of the row-major
-    ``(len(row_max), len(col_max))`` matrix, shaped as ``like`` (any shape of as many elements, which the
-    caller's element-wise math keeps: under ``torch.compile`` a chain of views through ``(rows, cols)`` and back
-    made each element's index a nest of symbolic divisions, slower to compile and to run; only the scale's own
-    index goes through the matrix here). Through the flat shape, as ``quantize_fields`` says why."""
+    """Each element's rank-1 scale ``min(row_max[i], col_max[j])`` (element ``(i, j)`` of the row-major matrix of
+    ``len(row_max)`` rows), in the shape of ``like``. The caller's element-wise math stays in its own shape and only
+    this index goes through the matrix: under ``torch.compile``, taking every element through ``(rows, cols)`` and
+    back made its index a nest of symbolic divisions. Through the flat shape, for the reason ``quantize_fields``
+    gives."""
     return torch.minimum(row_max[:, None], col_max[None, :]).view(-1).view(like.shape)
 
 
