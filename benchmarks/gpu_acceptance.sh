@@ -7,8 +7,9 @@
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
 # fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
 # finishes is kept; CONVERGENCE_OPTIMS picks the optimizers); OPTIMS, GEOMETRIES, DTYPES and STEPS are
-# handed to benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt,
-# ncu.txt, step.txt and step_cuda.json/png under $OUT, and memory_*.txt with memory/*/memory_*.json/png.
+# handed to benchmark_step.py. Run from the repository root without installing (PYTHONPATH=.). Writes tests.txt
+# (and tests_full.txt, with the slowest tests), ncu.txt, step.txt and step_cuda.json/png under $OUT, and
+# memory_*.txt with memory/*/memory_*.json/png.
 set -u
 OUT=${OUT:-results/gpu}
 PARTS=${PARTS:-"tests ncu step"}
@@ -18,7 +19,7 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
     python -m pytest test/test_cuda.py test/test_codec.py test/test_fused_coefficients.py test/test_rounding.py \
         test/test_one_state_optimizers.py test/test_step_graphs.py test/test_fused_tiles.py \
-        test/test_benchmark_step.py -q 2>&1 | tail -5 | tee "$OUT/tests.txt"
+        test/test_benchmark_step.py -q --durations=15 2>&1 | tee "$OUT/tests_full.txt" | tail -5 | tee "$OUT/tests.txt"
     # a user's torch.compile of a train step over our step, also under CUDA-graph capture (reduce-overhead)
     python -m pytest test/test_compiled_step.py -q -k cuda 2>&1 | tail -3 | tee -a "$OUT/tests.txt"
     # the conformance cases on the fused executor, on the GPU: every format and every optimizer
