@@ -187,6 +187,25 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
     return out
 
 
+def set_inductor_options(options: List[str]) -> None:
+    """Set inductor configs given as ``name=value`` (``value`` a Python literal; ``name`` dotted, as
+    ``triton.autotune_pointwise``), for every compile in this process. The library passes its own
+    ``torchao_optim.optim.compiled.COMPILE_OPTIONS`` to its compiles, and those win over the same names set here."""
+    import ast
+
+    import torch._inductor.config as config
+
+    for option in options:
+        name, sep, value = option.partition("=")
+        *path, last = name.split(".")
+        target = config
+        for part in path:
+            target = getattr(target, part)
+        if not sep or not hasattr(target, last):
+            raise SystemExit(f"--option {option!r}: expected name=value with an inductor config name")
+        setattr(target, last, ast.literal_eval(value))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -203,7 +222,11 @@ def main(argv=None):
                          "benchmarked like the built-in ones, with no other change")
     ap.add_argument("--no-step-graphs", action="store_true",
                     help="issue every CUDA step from Python: no CUDA-graph replay (torchao_optim.optim.replay)")
+    ap.add_argument("--option", action="append", default=[],
+                    help="an inductor config to set first, as name=value (a Python literal), e.g. "
+                         "triton.autotune_pointwise=False; repeatable (the library's COMPILE_OPTIONS win over it)")
     args = ap.parse_args(argv)
+    set_inductor_options(args.option)
     if args.no_step_graphs:
         from torchao_optim.optim import replay
 

@@ -65,7 +65,8 @@ fi
 # Python's bytecode caches are part of an installation (pip writes them), not a compile cache: where the
 # environment forbids writing them (PYTHONDONTWRITEBYTECODE), every process compiles the compiler stack's
 # modules from source again, which is what PYCACHE=1 (the default) spares. It writes them under a prefix, and a
-# first, discarded run fills it; each timed run still starts with empty inductor and Triton caches.
+# first, discarded run fills it; each timed run still starts with empty inductor and Triton caches. INDUCTOR_OPTIONS
+# (space-separated name=value) go to each timed run as --option, for an A/B of an inductor config.
 if has compiled_first; then
     if [[ "${PYCACHE:-1}" == 1 ]]; then
         unset PYTHONDONTWRITEBYTECODE
@@ -76,7 +77,8 @@ if has compiled_first; then
     fi
     for optim in ${COMPILED_OPTIMS:-AdamWCompiled-dtq8 AdamWCompiled-4bit AdamWCompiled-4bit_rank1}; do
         TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) python benchmarks/benchmark_step.py \
-            --geometries vit_b --dtypes fp32 --optims "$optim" --steps 20 --out "$OUT/compiled_first/$optim" 2>&1 \
+            --geometries vit_b --dtypes fp32 --optims "$optim" --steps 20 --out "$OUT/compiled_first/$optim" \
+            $(for o in ${INDUCTOR_OPTIONS:-}; do printf -- '--option %s ' "$o"; done) 2>&1 \
             | grep -E "^\| $optim " | tee -a "$OUT/compiled_first.txt"
     done
     python -m pytest test/test_compiled_step.py -q -k cuda 2>&1 | tail -2 | tee -a "$OUT/compiled_first.txt"

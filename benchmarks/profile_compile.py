@@ -28,7 +28,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchao_optim  # noqa: E402
-from benchmark_step import GEOMETRIES  # noqa: E402
+from benchmark_step import GEOMETRIES, set_inductor_options  # noqa: E402
 
 
 def main():
@@ -41,17 +41,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("profile_compile.py needs a CUDA device")
-    import ast
-
-    import torch._inductor.config as config
-
-    for option in args.option:
-        name, value = option.split("=", 1)
-        *path, last = name.split(".")
-        target = config
-        for part in path:
-            target = getattr(target, part)
-        setattr(target, last, ast.literal_eval(value))
+    set_inductor_options(args.option)
     if args.warm:
         start = time.perf_counter()
         torch.compile(lambda x: (x * 2).sum(-1), dynamic=True)(torch.randn(64, 256, device="cuda"))

@@ -50,3 +50,17 @@ def test_the_step_table_on_the_cpu(tmp_path):
     saved = json.loads((tmp_path / "step_cpu.json").read_text())
     assert saved["results"][1]["state_bytes_per_param"] == pytest.approx(rows[1]["state_bytes_per_param"])
     assert rows[1]["state_bytes_per_param"] < 2.2 < rows[0]["state_bytes_per_param"]
+
+
+def test_inductor_options_from_the_command_line():
+    import torch._inductor.config as config
+
+    before = config.triton.autotune_pointwise
+    try:
+        bench.set_inductor_options([f"triton.autotune_pointwise={not before}"])
+        assert config.triton.autotune_pointwise is (not before)
+    finally:
+        config.triton.autotune_pointwise = before
+    for bad in ("triton.no_such_option=1", "triton.autotune_pointwise"):
+        with pytest.raises(SystemExit, match="expected name=value"):
+            bench.set_inductor_options([bad])
