@@ -200,7 +200,7 @@ def set_inductor_options(options: List[str]) -> None:
         *path, last = name.split(".")
         target = config
         for part in path:
-            target = getattr(target, part)
+            target = getattr(target, part, None)
         if not sep or not hasattr(target, last):
             raise SystemExit(f"--option {option!r}: expected name=value with an inductor config name")
         setattr(target, last, ast.literal_eval(value))

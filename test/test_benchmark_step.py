@@ -61,6 +61,6 @@ def test_inductor_options_from_the_command_line():
         assert config.triton.autotune_pointwise is (not before)
     finally:
         config.triton.autotune_pointwise = before
-    for bad in ("triton.no_such_option=1", "triton.autotune_pointwise"):
+    for bad in ("triton.no_such_option=1", "triton.autotune_pointwise", "no_such_group.option=1"):
         with pytest.raises(SystemExit, match="expected name=value"):
             bench.set_inductor_options([bad])

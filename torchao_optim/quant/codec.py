@@ -32,7 +32,8 @@ the few rows of the exponents its values have.
 level, as 4-bit ``exp_avg_sq``'s) has the boundaries ``(i + 1.5) / 2**k``, so the rule's code is
 ``min(max(ceil(y * 2**k - 1.5), 0), 2**k - 1)``. In fp32 that is exact: ``y * 2**k`` is, and subtracting 1.5
 from it is wherever the result can reach 0 or above (:func:`grid_bits`; the fused kernels' encoder for such a
-codebook, two arithmetic instructions and a clamp instead of a table load).
+codebook: a multiply-add and a conversion that rounds up and saturates at 0, instead of a table load; ``y <= 1``
+needs no clamp at the top).
 """
 from __future__ import annotations
 
