@@ -95,7 +95,8 @@ class QuantizedState(torch.Tensor):
 
     @classmethod
     def tensor_fields(cls) -> Tuple[str, ...]:
-        """Every inner tensor: :meth:`data_fields`, and any a format adds beside them."""
+        """Every inner tensor: :meth:`data_fields`, and any a format adds beside them. Those carry a size, not
+        values (``FourBitRank1Tensor.row_marks``): :meth:`assign` leaves them as they are."""
         return cls.data_fields()
 
     @staticmethod
@@ -222,8 +223,8 @@ class QuantizedState(torch.Tensor):
         """Requantize ``value`` (broadcast to this shape) into this tensor's storage, in place."""
         value = value.expand(self.shape) if value.shape != self.shape else value
         new = self.quantize_fields(value, **self.attrs())
-        for name, inner in self.fields().items():
-            inner.copy_(new[name])
+        for name in self.data_fields():  # the other fields hold sizes, which requantizing does not change
+            getattr(self, name).copy_(new[name])
         return self
 
     # ---- torch.compile, pickling, repr ---------------------------------------------------------------
