@@ -74,18 +74,11 @@ def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_P
 
 
 @triton.jit
-def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr,
-                PTX: tl.constexpr = False):
+def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr):
     """Write a tile's fp32 parameter values: rounded to nearest, or (``SR``, bf16 parameters) stochastically
-    with ``key`` for elements ``offset + start + local`` of the whole parameter. With PTX, bf16 values are rounded
-    two at a time (``cvt.rn.bf16x2.f32``, the same rounding): converted one by one, the compiler moved the update's
-    select past the conversion and converted and merged each element on its own (4-bit codes: 63.4 → 62.1
-    instructions per element)."""
+    with ``key`` for elements ``offset + start + local`` of the whole parameter."""
     if SR:
         value = stochastic_round_bf16(p, key, offset + start + local)
-    elif PTX and PARAM_DTYPE == tl.bfloat16:
-        value = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [p], dtype=tl.bfloat16,
-                                          is_pure=True, pack=2)
     else:
         value = p.to(PARAM_DTYPE)
     tl.store(p_base + start + local, value, mask=local < n_valid)
@@ -198,7 +191,7 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
-    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, PTX)
+    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
                 PTX, M_SIGNED, M_FLAT)
     store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC,
