@@ -96,7 +96,7 @@ class QuantizedState(torch.Tensor):
     @classmethod
     def tensor_fields(cls) -> Tuple[str, ...]:
         """Every inner tensor: :meth:`data_fields`, and any a format adds beside them. Those carry a size, not
-        values (``FourBitRank1Tensor.row_marks``): :meth:`assign` leaves them as they are."""
+        values (``FourBitRank1Tensor.row_marks``): :meth:`assign` and ``zero_`` leave them as they are."""
         return cls.data_fields()
 
     @staticmethod
@@ -338,8 +338,8 @@ def _zero_(func, args, kwargs):
     # optimizer resets and SGD's momentum buffers
     self = args[0]
     zeros = self.zeros_fields(self.shape, self.device, **self.attrs())
-    for name, inner in self.fields().items():
-        inner.copy_(zeros[name])
+    for name in self.data_fields():  # as assign: the other fields hold sizes
+        getattr(self, name).copy_(zeros[name])
     return self
 
 

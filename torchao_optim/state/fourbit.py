@@ -106,7 +106,8 @@ class FourBitRank1Tensor(FourBitTensor):
         return super().tensor_fields() + ("row_marks",)
 
     def __init__(self, shape, dtype=torch.float32, **fields_and_attrs):
-        if "row_marks" not in fields_and_attrs:  # saved before rows was also a size
+        if "row_marks" not in fields_and_attrs:  # derived from rows: quantize_fields leaves it out, as do checkpoints
+            # saved before rows was also a size
             rows = fields_and_attrs.get("rows") or 0
             marks = torch.zeros(rows, dtype=torch.uint8, device=fields_and_attrs["codes"].device)
             fields_and_attrs = dict(fields_and_attrs, row_marks=marks)
@@ -164,7 +165,7 @@ class FourBitRank1Tensor(FourBitTensor):
     def quantize_fields(cls, x, **attrs):
         rows = attrs["rows"]
         if not rows:
-            return dict(super().quantize_fields(x, **attrs), row_marks=x.new_zeros(0, dtype=torch.uint8))
+            return super().quantize_fields(x, **attrs)
         layout = cls.layout_of(attrs)
         x = x.float()
         finite = torch.where(torch.isfinite(x), x.abs(), 0.0)
@@ -177,8 +178,7 @@ class FourBitRank1Tensor(FourBitTensor):
         y = x * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
         y = torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0).reshape(-1)
         codes = quantize_nearest(y, layout.codebook, layout.never_zero)
-        return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max]),
-                "row_marks": x.new_zeros(rows, dtype=torch.uint8)}
+        return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max])}
 
     @classmethod
     def zeros_fields(cls, shape, device, **attrs):
