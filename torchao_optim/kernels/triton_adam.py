@@ -74,14 +74,50 @@ def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_P
 
 
 @triton.jit
-def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr):
+def load_values(base, start, local, n_valid, DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+                WHOLE: tl.constexpr = False):
+    """A tile of a parameter or gradient of ``DTYPE`` as loaded (its first ``n_valid`` elements): elements, or for
+    a whole tile (``WHOLE``) of bf16 values words of two, one per pair of the thread's own elements (element ``2i``
+    in the low half): a word's halves become fp32 with a shift and a mask, where a bf16 element alone takes a
+    byte permute more. :func:`as_fp32` converts them."""
+    if WHOLE and DTYPE == tl.bfloat16:
+        return tl.load(base.to(tl.pointer_type(tl.int32)) + (start // BLOCK) * (BLOCK // 2)
+                       + tile_offsets(BLOCK // 2, VEC // 2), mask=tl.full((BLOCK // 2,), n_valid, tl.int32) > 0,
+                       other=0)
+    else:
+        return tl.load(base + start + local, mask=local < n_valid, other=0.0)
+
+
+@triton.jit
+def as_fp32(raw, DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
+    """:func:`load_values`' tile as fp32 values."""
+    if WHOLE and DTYPE == tl.bfloat16:
+        return tl.interleave((raw << 16).to(tl.float32, bitcast=True), (raw & -65536).to(tl.float32, bitcast=True))
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr,
+                BLOCK: tl.constexpr = 0, VEC: tl.constexpr = 0, WHOLE: tl.constexpr = False, PTX: tl.constexpr = False):
     """Write a tile's fp32 parameter values: rounded to nearest, or (``SR``, bf16 parameters) stochastically
-    with ``key`` for elements ``offset + start + local`` of the whole parameter."""
+    with ``key`` for elements ``offset + start + local`` of the whole parameter. Rounded to nearest, a whole
+    tile of bf16 values is written in words of two, each one conversion (:func:`load_values`)."""
     if SR:
         value = stochastic_round_bf16(p, key, offset + start + local)
+        tl.store(p_base + start + local, value, mask=local < n_valid)
+    elif WHOLE and PARAM_DTYPE == tl.bfloat16:
+        lo, hi = tl.split(tl.reshape(p, (BLOCK // 2, 2)))
+        if PTX:
+            word = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        else:
+            word = ((lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
+                    | (hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
+        tl.store(p_base.to(tl.pointer_type(tl.int32)) + (start // BLOCK) * (BLOCK // 2)
+                 + tile_offsets(BLOCK // 2, VEC // 2), word, mask=tl.full((BLOCK // 2,), n_valid, tl.int32) > 0)
     else:
-        value = p.to(PARAM_DTYPE)
-    tl.store(p_base + start + local, value, mask=local < n_valid)
+        tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=local < n_valid)
 
 
 @triton.jit
@@ -125,15 +161,16 @@ def _opaque(codes, QUANT: tl.constexpr, PTX: tl.constexpr):
 @triton.jit
 def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
                QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr,
-               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr, PTX: tl.constexpr):
+               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr, PTX: tl.constexpr,
+               PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
-    and scales (or fp32 values)."""
+    and scales (or fp32 values). ``WHOLE``: ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
     start = blk * BLOCK
     valid = local < n_valid
-    p = tl.load(p_base + start + local, mask=valid, other=0.0)
-    g = tl.load(g_base + start + local, mask=valid, other=0.0)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC)
+    p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
+    g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
+    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
     return p, g, _opaque(m_raw, M_QUANT, PTX), m_scale, _opaque(v_raw, V_QUANT, PTX), v_scale
 
 
@@ -148,19 +185,19 @@ def _load_coefs(c):
 @triton.jit
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                 PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                 DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                 VEC: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
                  PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,
-                 M_FLAT: tl.constexpr, V_FLAT: tl.constexpr):
+                 M_FLAT: tl.constexpr, V_FLAT: tl.constexpr, WHOLE: tl.constexpr = False):
     """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
-    p = p.to(tl.float32)
-    g = g.to(tl.float32)
-    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK)
-    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK)
+    p = as_fp32(p, PARAM_DTYPE, WHOLE)
+    g = as_fp32(g, GRAD_DTYPE, WHOLE)
+    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
 
     if MAXIMIZE:
         g = -g
@@ -191,11 +228,11 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
 
-    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
+    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
-                PTX, M_SIGNED, M_FLAT)
+                PTX, M_SIGNED, M_FLAT, WHOLE)
     store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC,
-                PTX, V_SIGNED, V_FLAT)
+                PTX, V_SIGNED, V_FLAT, WHOLE)
 
 
 @triton.jit
@@ -240,10 +277,10 @@ def adam_kernel(
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
-    # stay vectors.
+    # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
         nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
+                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
     if PDL:
         gdc_wait()
     cf = _load_coefs(coefs + t * 7)
@@ -254,21 +291,21 @@ def adam_kernel(
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
             nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
+                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
         else:
             tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
+                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)
+                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
+                     V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT, True)
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
         n_valid = numel - blk * BLOCK
         tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX)
+                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS, V_QUANT,
-                     V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)
+                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
+                     V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)

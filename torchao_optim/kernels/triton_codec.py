@@ -49,18 +49,24 @@ def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constex
     exclusive-or with the sign spread over the word), so one addition decides for both signs. Not ``SIGNED``
     (a codebook without negative values, ``StateLayout.signed``): every negative ``y`` has one code whatever
     its key, the flip is left out (an instruction per element). ``FLAT``, not 0: ``level1`` is the one table
-    of ``codec.flat_keyed`` and ``FLAT`` its shift (``level2`` is not read): one load instead of two. ``FLAT``
-    below 0: an even grid's arithmetic code (:func:`encode_grid`; no table is read), shifted into the top byte.
+    of ``codec.flat_keyed`` and ``FLAT`` its shift (``level2`` is not read): one load instead of two, indexed
+    by ``y``'s own top bits (the table's rows for ``y < 0`` are in the order of the unflipped bits), so that the
+    index does not wait for the flip. ``FLAT`` below 0: an even grid's arithmetic code (:func:`encode_grid`; no
+    table is read), shifted into the top byte.
     """
     if FLAT < 0:
         high = encode_grid(y, FLAT, PTX) << 24
     else:
         bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
         if FLAT:
-            if SIGNED:  # the mantissa's bits flipped for y < 0 (one LOP3: bits ^ (spread sign & mask))
-                bits = bits ^ ((bits >> 31) & 0x7FFFFF)
+            # the index from y's own bits, the key flipped for y < 0: a shift for the one, a sign spread and one
+            # LOP3 for the other (an index from the flipped bits took a LOP3 more: flip, then mask the key)
             packed = tl.load(level1 + (bits.to(tl.uint32, bitcast=True) >> FLAT).to(tl.int32))
-            high = packed + (bits & 0x7FFFFF)
+            if SIGNED:
+                key = (bits ^ (bits >> 31)) & 0x7FFFFF
+            else:
+                key = bits & 0x7FFFFF
+            high = packed + key
         else:
             entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
             if SIGNED:
@@ -96,6 +102,64 @@ def _top_bytes(words, PTX: tl.constexpr):
         return (words.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8)
 
 
+# byte permutes that take the top byte (encode_high's words) or the low byte (an even grid's codes) of two words
+# into the low two bytes of one
+_SELECT: tl.constexpr = tl.constexpr(("0x7773", "0x7740"))
+
+
+@triton.jit
+def _nibbles(lo, hi, FLAT: tl.constexpr):
+    """Bytes of two 4-bit codes each from :func:`encode_high`'s words (an even grid's codes as they are): ``lo``'s
+    code in the low nibble, ``hi``'s in the high one, each byte in an int32."""
+    if FLAT < 0:
+        return lo | (hi << 4)
+    else:
+        return ((lo.to(tl.uint32, bitcast=True) >> 24) | ((hi.to(tl.uint32, bitcast=True) >> 20) & 0xF0)).to(tl.int32)
+
+
+@triton.jit
+def _pack_words(y, level1, level2, SIGNED: tl.constexpr, FLAT: tl.constexpr, PTX: tl.constexpr, VEC: tl.constexpr):
+    """The 4-bit code words of a (BLOCK,) tile ``y`` (``VEC // 2`` bytes, one per run of ``VEC`` elements, each
+    thread its own): the inverse of :func:`_decode_words`. With PTX, byte permutes gather the codes (the top byte
+    of :func:`encode_high`'s words, the low byte of an even grid's codes) of the low nibbles into one word and
+    those of the high nibbles into another, and one shifted add joins them (codes are below 16: no carries)."""
+    if FLAT < 0:
+        words = encode_grid(y, FLAT, PTX)
+    else:
+        words = encode_high(y, level1, level2, SIGNED, FLAT)
+    if VEC == 4:  # element 2k + j: byte k, nibble j
+        c0, c1 = tl.split(tl.reshape(words, (y.shape[0] // 4, 2, 2)))  # nibble j = 0, 1: (C, 2) over k
+        a0, a1 = tl.split(c0)
+        b0, b1 = tl.split(c1)
+        if PTX:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 l, h; prmt.b32 l, $1, $3, " + _SELECT[FLAT < 0] + "; prmt.b32 h, $2, $4, "
+                + _SELECT[FLAT < 0] + "; shl.b32 h, h, 4; add.u32 $0, l, h; }",
+                "=r,r,r,r,r", [a0, b0, a1, b1], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = _nibbles(a0, b0, FLAT) | (_nibbles(a1, b1, FLAT) << 8)
+        return out.to(tl.uint16)
+    else:  # element 4 * k1 + 2 * k0 + j: byte 2 * k1 + k0, nibble j
+        c0, c1 = tl.split(tl.reshape(words, (y.shape[0] // 8, 2, 2, 2)))
+        c00, c01 = tl.split(c0)
+        c10, c11 = tl.split(c1)
+        a0, a2 = tl.split(c00)
+        a1, a3 = tl.split(c01)
+        b0, b2 = tl.split(c10)
+        b1, b3 = tl.split(c11)
+        if PTX:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 p, q, l, h; prmt.b32 p, $1, $3, " + _SELECT[FLAT < 0] + "; prmt.b32 q, $5, $7, "
+                + _SELECT[FLAT < 0] + "; prmt.b32 l, p, q, 0x5410; prmt.b32 p, $2, $4, " + _SELECT[FLAT < 0]
+                + "; prmt.b32 q, $6, $8, " + _SELECT[FLAT < 0] + "; prmt.b32 h, p, q, 0x5410; shl.b32 h, h, 4; "
+                "add.u32 $0, l, h; }",
+                "=r,r,r,r,r,r,r,r,r", [a0, b0, a1, b1, a2, b2, a3, b3], dtype=tl.int32, is_pure=True, pack=1)
+        else:
+            out = (_nibbles(a0, b0, FLAT) | (_nibbles(a1, b1, FLAT) << 8) | (_nibbles(a2, b2, FLAT) << 16)
+                   | (_nibbles(a3, b3, FLAT) << 24))
+        return out.to(tl.uint32, bitcast=True)
+
+
 @triton.jit
 def tile_offsets(N: tl.constexpr, VEC: tl.constexpr):
     """``tl.arange(0, N)``, known to the compiler as runs of only ``VEC`` contiguous offsets.
@@ -119,8 +183,52 @@ def _by_block(x, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _chunk_pointer(codes, VEC: tl.constexpr):
+    """4-bit codes as words of ``VEC // 2`` bytes: the codes of a run of ``VEC`` elements."""
+    if VEC == 8:
+        return codes.to(tl.pointer_type(tl.uint32))
+    else:
+        tl.static_assert(VEC == 4)
+        return codes.to(tl.pointer_type(tl.uint16))
+
+
+@triton.jit
+def _chunks(BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The indices of a tile's ``BLOCK // VEC`` code words, known to the compiler as contiguous one at a time: each
+    thread then loads and stores the word of its own run of elements (as :func:`tile_offsets` keeps a thread's
+    elements its own)."""
+    return tl.max_contiguous(tl.arange(0, BLOCK // VEC), 1)
+
+
+@triton.jit
+def _nibble_values(word, K: tl.constexpr, values):
+    """The values (fp32) of the two codes in byte ``K`` of ``word``, from ``values`` as ``quant.codec.nibble_pairs``
+    lays it out: one 8-byte load."""
+    pair = tl.load(values.to(tl.pointer_type(tl.int64)) + ((word >> (8 * K)) & 255))
+    return pair.to(tl.int32).to(tl.float32, bitcast=True), (pair >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _decode_words(word, values, VEC: tl.constexpr):
+    """The (BLOCK,) values of a tile's 4-bit code words (``VEC // 2`` bytes each, one per run of ``VEC`` elements).
+    Each thread decodes its own words; the joins place the values in its registers in element order (the newest
+    axis of a join is the innermost), so nothing moves between threads."""
+    a0, b0 = _nibble_values(word, 0, values)
+    a1, b1 = _nibble_values(word, 1, values)
+    if VEC == 4:  # element 2k + j: byte k, nibble j
+        x = tl.join(tl.join(a0, a1), tl.join(b0, b1))
+    else:
+        a2, b2 = _nibble_values(word, 2, values)
+        a3, b3 = _nibble_values(word, 3, values)
+        # element 4 * k1 + 2 * k0 + j: byte 2 * k1 + k0, nibble j
+        x = tl.join(tl.join(tl.join(a0, a2), tl.join(a1, a3)), tl.join(tl.join(b0, b2), tl.join(b1, b3)))
+    return tl.reshape(x, (word.shape[0] * VEC,))
+
+
+@triton.jit
 def load_codes(codes, scales, start, blk, local, n_valid,
-               QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+               QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+               WHOLE: tl.constexpr = False):
     """The raw contents of one state on tile ``blk``: ``local`` (BLOCK,) offsets from element ``start``, of
     which the first ``n_valid`` exist; the tile holds ``BLOCK // QBLOCK`` quantization blocks. Returns (the code
     bytes as loaded, the blocks' scales: a scalar for one block, else one per block), or (fp32 values, 0.0)
@@ -128,10 +236,16 @@ def load_codes(codes, scales, start, blk, local, n_valid,
     ``tile_offsets(BLOCK, VEC)``. Loading is split from decoding (:func:`load_state`) so a kernel can issue
     the next tile's loads before it computes this one; nothing here reads the loaded bytes, so nothing waits
     for them before the tile is decoded. Masks are ``offset < n_valid``: when ``n_valid`` is the whole tile or
-    nothing, they are one predicate for the tile and the loads stay vectors."""
+    nothing, they are one predicate for the tile and the loads stay vectors. ``WHOLE`` (the caller knows
+    ``n_valid`` is the whole tile or nothing): 4-bit codes come as one word per run of ``VEC`` elements
+    (``VEC // 2`` bytes, a thread's own), not byte by byte (a byte mask ``2 * offset < n_valid`` is a predicate
+    per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`)."""
     if QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
+        elif WHOLE:  # one word per run of VEC elements, a thread's own
+            raw = tl.load(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
+                          mask=tl.full((BLOCK // VEC,), n_valid, tl.int32) > 0, other=0)
         else:  # BLOCK // 2 bytes: element 2i in the low nibble of byte i, 2i + 1 in the high one
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
@@ -149,13 +263,15 @@ def load_codes(codes, scales, start, blk, local, n_valid,
 
 @triton.jit
 def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
-               BLOCK: tl.constexpr):
+               BLOCK: tl.constexpr, VEC: tl.constexpr = 0, WHOLE: tl.constexpr = False):
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
-    elements' values: the low nibble's in the low word)."""
+    elements' values: the low nibble's in the low word). ``VEC`` and ``WHOLE``: :func:`load_codes`'."""
     if QUANT:
         if BITS == 8:
             x = tl.load(values + raw)
+        elif WHOLE:
+            x = _decode_words(raw, values, VEC)
         else:
             pair = tl.load(values.to(tl.pointer_type(tl.int64)) + raw)
             x = tl.interleave(pair.to(tl.int32), (pair >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
@@ -171,7 +287,8 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
 @triton.jit
 def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
                 QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr = 0):
+                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr = 0,
+                WHOLE: tl.constexpr = False):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
@@ -199,6 +316,10 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         if BITS == 8:
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
                      _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT, PTX), PTX), mask=mask)
+        elif WHOLE:
+            tl.store(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
+                     _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
+                     mask=tl.full((BLOCK // VEC,), n_valid, tl.int32) > 0)
         else:
             code = encode(y, level1, level2, SIGNED, FLAT, PTX)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it

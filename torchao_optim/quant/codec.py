@@ -24,7 +24,7 @@ codebook.
 **One load.** Giving every exponent the same number ``m`` of mantissa bits, the most any of them needs (3 for
 the 4-bit codebooks, 6 and 7 for the dynamic 8-bit maps), makes the first table's offset a multiple of the index
 and its shift a constant: the second table alone, ``512 << m`` entries indexed by the top ``9 + m`` bits of
-``y`` (sign, exponent, and ``m`` mantissa bits, flipped for ``y < 0``), gives the code in one load
+``y`` (sign, exponent, and ``m`` mantissa bits), gives the code in one load
 (:func:`flat_keyed`). The same buckets split finer, so the same codes; a larger table, of which a step reads
 the few rows of the exponents its values have.
 
@@ -265,12 +265,13 @@ def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
                max_bits: int = _MAX_BUCKET_BITS) -> Optional[Tuple[torch.Tensor, int]]:
     """The encoder in one table load, for a codebook whose exponents each need at most ``max_bits`` mantissa
     bits; else None. Returns (``table``, ``shift``): int32 ``(512 << m,)`` with ``m = 23 - shift`` the most bits
-    any exponent needs. For ``f``, ``y``'s fp32 bits with the 23 mantissa bits flipped where ``y < 0``, the
-    code is ``(table[f >> shift] + (f & 0x7FFFFF)) >> 24`` (unsigned shifts): the entries are those of
-    :meth:`BucketTables.level2_keyed` for tables built with ``m`` bits for every exponent, the row of
+    any exponent needs. For ``b``, ``y``'s fp32 bits, and ``f``, the same with the 23 mantissa bits flipped where
+    ``y < 0``, the code is ``(table[b >> shift] + (f & 0x7FFFFF)) >> 24`` (unsigned shifts): the entries are
+    those of :meth:`BucketTables.level2_keyed` for tables built with ``m`` bits for every exponent, the row of
     ``(sign, exponent)`` at ``(256 * sign + exponent) << m`` (exponents above 127, ``|y| >= 2``, which never
-    occurs, repeat exponent 127's). For a codebook without negative values the flip may be left out, as for
-    the two-load form: every negative ``y`` has one code."""
+    occurs, repeat exponent 127's), a negative row in reverse: indexed by the bits as they are, not flipped, so
+    that the index does not wait for the flip. For a codebook without negative values the flip may be left out,
+    as for the two-load form (``f = b``; its rows are not reversed): every negative ``y`` has one code."""
     values = tuple(float(v) for v in values)
     standard = bucket_tables(values, never_zero)
     m = int((_MANTISSA_BITS - (standard.level1 & 31)).max())
@@ -280,6 +281,8 @@ def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
 @functools.lru_cache(maxsize=None)
 def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[torch.Tensor, int]:
     rows = _build_tables(values, never_zero, min_bits=m).level2_keyed().view(2, 128, 1 << m)
+    if min(values) < 0:  # indexed by y's own mantissa bits: for y < 0 the keyed rows' order (flipped bits) reversed
+        rows = torch.stack([rows[0], rows[1].flip(-1)])
     table = torch.cat([rows, rows[:, 127:].expand(2, 128, 1 << m)], dim=1).reshape(-1).contiguous()
     return table, _MANTISSA_BITS - m
 
