@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchao_optim.kernels.triton_adam import _codes_pointer, _round_key, store_param
+from torchao_optim.kernels.triton_adam import _codes_pointer, _round_key, as_fp32, load_values, store_param
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 
 RULES = {"sgd": 0, "lion": 1}
@@ -29,15 +29,15 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                    RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
                    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
-                   S_FLAT: tl.constexpr):
+                   S_FLAT: tl.constexpr, GRAD_DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
-    tensor's four coefficients, loaded once per program."""
+    tensor's four coefficients, loaded once per program. ``WHOLE``: the tile is whole (as in ``adam_kernel``'s
+    loop: codes and bf16 values move in words)."""
     start = blk * BLOCK
-    valid = local < n_valid
-    p = tl.load(p_base + start + local, mask=valid, other=0.0).to(tl.float32)
-    g = tl.load(g_base + start + local, mask=valid, other=0.0).to(tl.float32)
-    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC)
-    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK)
+    p = as_fp32(load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE), PARAM_DTYPE, WHOLE)
+    g = as_fp32(load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE), GRAD_DTYPE, WHOLE)
+    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
     c0, c1, c2, c3 = coefs
 
     if MAXIMIZE:
@@ -62,9 +62,9 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
         sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
         p = tl.where(ok, p * c1 - c0 * sign, p)
 
-    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR)
+    store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
     store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
-                PTX, S_SIGNED, S_FLAT)
+                PTX, S_SIGNED, S_FLAT, WHOLE)
 
 
 @triton.jit
@@ -105,12 +105,12 @@ def momentum_kernel(
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
                        s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
-                       S_SIGNED, S_FLAT)
+                       S_SIGNED, S_FLAT, GRAD_DTYPE, True)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
                        s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
-                       S_BITS, PTX, S_SIGNED, S_FLAT)
+                       S_BITS, PTX, S_SIGNED, S_FLAT, GRAD_DTYPE)
 
 
 def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
