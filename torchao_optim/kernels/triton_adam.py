@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # Triton >= 3.4 (torch >= 2.11 has 3.6)
 
-from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
+from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets, whole_mask
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -74,6 +74,13 @@ def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_P
 
 
 @triton.jit
+def _pairs(base, start, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The addresses of a tile's 16-bit values (from element ``start``) as 32-bit words of two, each thread's its own
+    (runs of ``VEC // 2`` words, as :func:`tile_offsets` gives it runs of ``VEC`` elements)."""
+    return base.to(tl.pointer_type(tl.int32)) + (start // BLOCK) * (BLOCK // 2) + tile_offsets(BLOCK // 2, VEC // 2)
+
+
+@triton.jit
 def load_values(base, start, local, n_valid, DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
                 WHOLE: tl.constexpr = False):
     """A tile of a parameter or gradient of ``DTYPE`` as loaded (its first ``n_valid`` elements): elements, or for
@@ -81,9 +88,7 @@ def load_values(base, start, local, n_valid, DTYPE: tl.constexpr, BLOCK: tl.cons
     in the low half): a word's halves become fp32 with a shift and a mask, where a bf16 element alone takes a
     byte permute more. :func:`as_fp32` converts them."""
     if WHOLE and DTYPE == tl.bfloat16:
-        return tl.load(base.to(tl.pointer_type(tl.int32)) + (start // BLOCK) * (BLOCK // 2)
-                       + tile_offsets(BLOCK // 2, VEC // 2), mask=tl.full((BLOCK // 2,), n_valid, tl.int32) > 0,
-                       other=0)
+        return tl.load(_pairs(base, start, BLOCK, VEC), mask=whole_mask(n_valid, BLOCK // 2), other=0)
     else:
         return tl.load(base + start + local, mask=local < n_valid, other=0.0)
 
@@ -114,8 +119,7 @@ def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.c
         else:
             word = ((lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
                     | (hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
-        tl.store(p_base.to(tl.pointer_type(tl.int32)) + (start // BLOCK) * (BLOCK // 2)
-                 + tile_offsets(BLOCK // 2, VEC // 2), word, mask=tl.full((BLOCK // 2,), n_valid, tl.int32) > 0)
+        tl.store(_pairs(p_base, start, BLOCK, VEC), word, mask=whole_mask(n_valid, BLOCK // 2))
     else:
         tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=local < n_valid)
 

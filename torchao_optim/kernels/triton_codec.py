@@ -183,6 +183,13 @@ def _by_block(x, QBLOCK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def whole_mask(n_valid, N: tl.constexpr):
+    """The mask of an access of ``N`` lanes to a tile that is whole (``n_valid`` > 0) or absent: one predicate, so
+    the access stays a vector whatever its width."""
+    return tl.full((N,), n_valid, tl.int32) > 0
+
+
+@triton.jit
 def _chunk_pointer(codes, VEC: tl.constexpr):
     """4-bit codes as words of ``VEC // 2`` bytes: the codes of a run of ``VEC`` elements."""
     if VEC == 8:
@@ -245,7 +252,7 @@ def load_codes(codes, scales, start, blk, local, n_valid,
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
         elif WHOLE:  # one word per run of VEC elements, a thread's own
             raw = tl.load(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
-                          mask=tl.full((BLOCK // VEC,), n_valid, tl.int32) > 0, other=0)
+                          mask=whole_mask(n_valid, BLOCK // VEC), other=0)
         else:  # BLOCK // 2 bytes: element 2i in the low nibble of byte i, 2i + 1 in the high one
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
@@ -319,7 +326,7 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         elif WHOLE:
             tl.store(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
                      _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
-                     mask=tl.full((BLOCK // VEC,), n_valid, tl.int32) > 0)
+                     mask=whole_mask(n_valid, BLOCK // VEC))
         else:
             code = encode(y, level1, level2, SIGNED, FLAT, PTX)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
