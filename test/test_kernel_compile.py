@@ -5,7 +5,8 @@ so a construct the compiler rejects (a branch compiled for a shape it does not f
 on the first GPU. Here the Adam kernel is compiled to SASS for sm_90 (Triton's CUDA backend and its bundled
 tools, no GPU) in the configurations the built-in formats use, in a process of its own without the
 interpreter, under the register cap the planner gives it (``optim.fused.REGISTER_CAPS``), and must not spill
-registers to the stack, nor load or store a single byte in its loop. The one-state kernel (SGD, Lion) is compiled the same way, for its inline PTX.
+registers to the stack, nor load or store a single byte in its loop. The one-state kernel (SGD, Lion) is
+compiled the same way, for its inline PTX.
 """
 import importlib.util
 import json

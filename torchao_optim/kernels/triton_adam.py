@@ -170,7 +170,6 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scales (or fp32 values). ``WHOLE``: ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
     start = blk * BLOCK
-    valid = local < n_valid
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
     m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)

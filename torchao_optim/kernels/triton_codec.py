@@ -58,25 +58,20 @@ def encode_high(y, level1, level2, SIGNED: tl.constexpr = True, FLAT: tl.constex
         high = encode_grid(y, FLAT, PTX) << 24
     else:
         bits = (y + 0.0).to(tl.int32, bitcast=True)  # -0.0 + 0.0 is +0.0: the rule says -0.0 encodes as 0.0
+        if SIGNED:
+            key = (bits ^ (bits >> 31)) & 0x7FFFFF
+        else:
+            key = bits & 0x7FFFFF
         if FLAT:
-            # the index from y's own bits, the key flipped for y < 0: a shift for the one, a sign spread and one
-            # LOP3 for the other (an index from the flipped bits took a LOP3 more: flip, then mask the key)
+            # the index from y's own bits, apart from the key: a shift (an index from the flipped bits took a
+            # LOP3 more: flip, then mask the key)
             packed = tl.load(level1 + (bits.to(tl.uint32, bitcast=True) >> FLAT).to(tl.int32))
-            if SIGNED:
-                key = (bits ^ (bits >> 31)) & 0x7FFFFF
-            else:
-                key = bits & 0x7FFFFF
-            high = packed + key
         else:
             entry = tl.load(level1 + ((bits >> 23) & 511))  # sign and exponent
-            if SIGNED:
-                key = (bits ^ (bits >> 31)) & 0x7FFFFF
-            else:
-                key = bits & 0x7FFFFF
             packed = tl.load(level2 + ((entry >> 5) + (key >> (entry & 31))))
-            # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly
-            # when key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
-            high = packed + key
+        # the entry is ((candidate + 1) << 24) - threshold: adding the key carries into the top byte exactly when
+        # key >= threshold (no compare and select); the sum stays below 2**32 (the tables are built so)
+        high = packed + key
     return high
 
 
@@ -190,21 +185,16 @@ def whole_mask(n_valid, N: tl.constexpr):
 
 
 @triton.jit
-def _chunk_pointer(codes, VEC: tl.constexpr):
-    """4-bit codes as words of ``VEC // 2`` bytes: the codes of a run of ``VEC`` elements."""
+def _code_words(codes, blk, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """The addresses of tile ``blk``'s 4-bit codes as ``BLOCK // VEC`` words of ``VEC // 2`` bytes, the codes of a
+    run of ``VEC`` elements each, known to the compiler as contiguous one at a time: each thread then loads and
+    stores the word of its own run of elements (as :func:`tile_offsets` keeps a thread's elements its own)."""
     if VEC == 8:
-        return codes.to(tl.pointer_type(tl.uint32))
+        words = codes.to(tl.pointer_type(tl.uint32))
     else:
         tl.static_assert(VEC == 4)
-        return codes.to(tl.pointer_type(tl.uint16))
-
-
-@triton.jit
-def _chunks(BLOCK: tl.constexpr, VEC: tl.constexpr):
-    """The indices of a tile's ``BLOCK // VEC`` code words, known to the compiler as contiguous one at a time: each
-    thread then loads and stores the word of its own run of elements (as :func:`tile_offsets` keeps a thread's
-    elements its own)."""
-    return tl.max_contiguous(tl.arange(0, BLOCK // VEC), 1)
+        words = codes.to(tl.pointer_type(tl.uint16))
+    return words + blk * (BLOCK // VEC) + tl.max_contiguous(tl.arange(0, BLOCK // VEC), 1)
 
 
 @triton.jit
@@ -251,8 +241,7 @@ def load_codes(codes, scales, start, blk, local, n_valid,
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
         elif WHOLE:  # one word per run of VEC elements, a thread's own
-            raw = tl.load(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
-                          mask=whole_mask(n_valid, BLOCK // VEC), other=0)
+            raw = tl.load(_code_words(codes, blk, BLOCK, VEC), mask=whole_mask(n_valid, BLOCK // VEC), other=0)
         else:  # BLOCK // 2 bytes: element 2i in the low nibble of byte i, 2i + 1 in the high one
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
@@ -324,8 +313,7 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
             tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
                      _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT, PTX), PTX), mask=mask)
         elif WHOLE:
-            tl.store(_chunk_pointer(codes, VEC) + blk * (BLOCK // VEC) + _chunks(BLOCK, VEC),
-                     _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
+            tl.store(_code_words(codes, blk, BLOCK, VEC), _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
                      mask=whole_mask(n_valid, BLOCK // VEC))
         else:
             code = encode(y, level1, level2, SIGNED, FLAT, PTX)
