@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import defaultdict
 from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
@@ -59,7 +60,8 @@ def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[L
             if "param_names" in saved and j < len(saved["param_names"]):
                 names[pid] = saved["param_names"][j]
 
-    state: Dict[Tensor, dict] = {}
+    # a defaultdict, as torch.optim's: a parameter without a saved entry gets its state at its first step
+    state: Dict[Tensor, dict] = defaultdict(dict)
     for pid, entry in saved_state.items():
         if pid not in id_map:
             raise ValueError(f"state_dict['state'] holds state for parameter id {pid!r}, which no param group "
