@@ -57,13 +57,11 @@ def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], opti
         raise RuntimeError("step_in_backward: this optimizer already steps in backward")
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
     known = {id(p) for p in params}
-    group_of = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in known:
                 raise ValueError(f"step_in_backward: the optimizer holds a parameter of shape {tuple(p.shape)} that "
                                  f"is not among the model's parameters")
-            group_of[id(p)] = group
 
     def hook(p: torch.Tensor) -> None:
         if p.grad is None:
@@ -71,7 +69,6 @@ def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], opti
         optimizer._step_param(p)
         p.grad = None
 
-    optimizer._group_of = group_of
     optimizer._in_backward = {}
     optimizer._plans.clear()
     optimizer._graphs.clear()

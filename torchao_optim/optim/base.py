@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.kernels.cpu import cpu_kernels_available
-from torchao_optim.optim.checkpoint import checked_state
+from torchao_optim.optim.checkpoint import checked_moment, checked_state, checked_step
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import _GRAD, FusedRule, fused_available, plan_group
 from torchao_optim.optim import offload
@@ -26,6 +26,7 @@ from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
 from torchao_optim.optim.replay import Steady, StepGraph
 from torchao_optim.optim.rounding import rounding_key
+from torchao_optim.optim.snapshot import StateSnapshot, same_objects
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
 )
@@ -178,6 +179,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
     STEP_OPTIONAL = False  # torch.optim's form of the state has no "step" (SGD, Muon): a loaded one counts 1
     update_fn = None  # the compiled path's rule
 
+    @property
+    def _snapshot_keys(self) -> Tuple[str, ...]:
+        """The state keys whose values the caches are built from (``optim/snapshot.py``)."""
+        return ("step",) + self.STATE_KEYS
+
     def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
                  capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False,
                  offload_state: bool = False):
@@ -213,6 +219,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
         self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
         self._in_backward: Optional[Dict[int, tuple]] = None  # step_in_backward: id(param) -> (its list, plans)
+        self._group_map: Optional[tuple] = None  # (the groups, id(param) -> its group): see _group_of
         # None or True: fused wherever a fused kernel runs (CUDA: Triton's; CPU: kernels.cpu's C); True also
         # selects Triton's interpreter for CPU parameters when TRITON_INTERPRET=1 is set (testing the Triton kernels)
         self._fused = fused is not False
@@ -352,14 +359,58 @@ class LowBitOptimizer(torch.optim.Optimizer):
                               device=device)
         return like_param(p, state) if is_dtensor(p) else state
 
-    def _init_state(self, p: Tensor, group, state) -> None:
-        """Create what ``state`` lacks: the step count and each state key (a group may gain one, as SGD's
-        momentum buffer when momentum is turned on)."""
-        if "step" not in state:
+    def _where(self, p: Tensor) -> str:
+        """``p`` as an error message names it: its position over all groups and its shape."""
+        return f"parameter {self._rounding([p])[0][0]} of shape {tuple(p.shape)}"
+
+    def _state_of(self, p: Tensor) -> dict:
+        """``p``'s state dict, made empty where ``state`` has none (a ``defaultdict`` as torch.optim's, or a plain
+        dict a user put in its place)."""
+        if p not in self.state:
+            self.state[p] = {}
+        state = self.state[p]
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}: the state of {self._where(p)} must be a dict, got "
+                             f"{type(state).__name__}")
+        return state
+
+    def _is_own_moment(self, p: Tensor, group, key: str, value) -> bool:
+        """Whether ``value`` is in the form this optimizer keeps ``p``'s ``key`` in (what
+        :meth:`_new_state_tensor` makes): the step can use it as it is."""
+        if not isinstance(value, Tensor) or is_dtensor(value) != is_dtensor(p):
+            return False
+        if is_dtensor(p) and (value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements)):
+            return False
+        lv, lp = local(value), local(p)
+        if lv.shape != lp.shape:
+            return False
+        if lv.device != self._state_device(p) and not (lv.is_meta and self._offloads(p)):
+            return False
+        fmt = self._format_for(p, group)
+        if fmt is None:
+            return type(lv) is Tensor and lv.dtype == self._plain_state_dtype(p) and lv.is_contiguous()
+        return type(lv) is fmt and lv.attrs() == fmt._attrs(signed=self._signed(key),
+                                                             block_size=self._block_size_for(p, group, fmt))
+
+    def _adopt_state(self, p: Tensor, group, state: dict) -> None:
+        """Make ``state`` one the step can use, as torch.optim would use it. What it lacks is created: a reset state
+        gets zeros and step 0, and a group may gain a key (SGD's momentum buffer when momentum is turned on). A value
+        put in that is not in the form this optimizer keeps (a plain tensor where it keeps quantized codes; another
+        dtype, device, format or block size) is converted as :meth:`load_state_dict` converts a checkpoint: the
+        state then holds the converted tensor. A value that cannot be used raises ValueError naming the parameter
+        and the key."""
+        step = state.get("step")
+        if step is None:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        elif not (type(step) is Tensor and step.dtype == torch.float32 and step.dim() == 0
+                  and step.device == p.device):
+            state["step"] = checked_step(p, step, self._where(p))
         for key in self._state_keys(group, p):
-            if key not in state:
+            value = state.get(key)
+            if value is None:
                 state[key] = self._new_state_tensor(p, group, signed=self._signed(key))
+            elif not self._is_own_moment(p, group, key, value):
+                state[key] = checked_moment(self, p, group, key, value, f"{self._where(p)}: state[{key!r}]")
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load ours or the matching ``torch.optim`` optimizer's state_dict.
@@ -496,9 +547,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
 
     def _params_with_grad(self, group) -> Tuple[List[Tensor], List[dict]]:
-        """The group's parameters that have a gradient, and their states (created on first use). The lists
-        are reused while the same parameters have gradients and the group's state keys are the same: a step
-        costs one pass over the grads."""
+        """The group's parameters that have a gradient, and their states (created on first use, adopted where a
+        user changed them: :meth:`_adopt_state`). The lists are reused while the same parameters have gradients,
+        the group's state keys are the same and the state holds the same objects (``optim/snapshot.py``): a step
+        then costs a few passes over the parameters in C."""
         # (map over C functions: this runs on every step, before any launch, for every parameter)
         grads = list(map(_GRAD, group["params"]))
         present = [g for g in grads if g is not None]
@@ -506,26 +558,37 @@ class LowBitOptimizer(torch.optim.Optimizer):
                self._state_keys(group))
         cached = self._with_grad.get(id(group))
         if cached is not None and cached[0] == key:
+            params, states, snapshot = cached[1:]
+            if not snapshot.holds(self.state, params):
+                if not same_objects(tuple(map(self.state.get, params)), states):
+                    cached = None  # a state dict replaced or removed: collect them again
+                else:  # the same dicts, some value replaced or removed: adopt them, keep the lists
+                    for p, state in zip(params, states):
+                        self._adopt_state(p, group, state)
+                    self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self._snapshot_keys))
+        else:
+            cached = None
+        if cached is not None:
             # The gradients may be new tensors every step; torch checks that a gradient's dtype is its
             # parameter's, but a sparse one may replace a dense one. A sparse gradient has no address (nor
             # has a DTensor's, checked by layout): taking the addresses, which the fused plans need, checks it.
             try:
-                self._grad_addresses[id(group)] = (cached[1], tuple(map(Tensor.data_ptr, present)))
-                return cached[1], cached[2]
+                self._grad_addresses[id(group)] = (params, tuple(map(Tensor.data_ptr, present)))
+                return params, states
             except RuntimeError:
                 self._grad_addresses.pop(id(group), None)
                 if all(map(_STRIDED, map(_LAYOUT, present))):
-                    return cached[1], cached[2]
+                    return params, states
         params, states = [], []
         for p, grad in zip(group["params"], grads):
             if grad is None:
                 continue
             self._check_grad(p, grad)
-            state = self.state[p]
-            self._init_state(p, group, state)
+            state = self._state_of(p)
+            self._adopt_state(p, group, state)
             params.append(p)
             states.append(state)
-        self._with_grad[id(group)] = (key, params, states)
+        self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self._snapshot_keys))
         return params, states
 
     def _fused_rule(self, group) -> Optional[FusedRule]:
@@ -580,8 +643,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         found = steady.grads_if_unchanged(group)
         if found is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
-        if self._plans.get(id(group), {}).get("plans") is not steady.plans:
+        cache = self._plans.get(id(group), {})
+        if cache.get("plans") is not steady.plans:
             return False  # planned again since (a step traced by torch.compile plans through the same cache)
+        if not cache["states"].holds(self.state, group["params"]):
+            return False  # a state replaced, removed or reset: the whole way adopts it and plans again
         # the plans' tables follow moved gradients (outside the graph); a gradient that is not contiguous, moved
         # or a view at the same address, sends the step the full way, which plans its parameter again
         grads, addresses = found
@@ -745,12 +811,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _step_param(self, p: Tensor) -> None:
         """The step of one parameter, from its gradient (``step_in_backward``'s hook). Its plan is its own, kept
         while it steps this way."""
-        group = self._group_of[id(p)]
-        state = self.state[p]
+        group = self._group_of(p)
+        state = self._state_of(p)
         self._check_grad(p, p.grad)
-        self._init_state(p, group, state)
+        self._adopt_state(p, group, state)
         params, cache = self._in_backward.setdefault(id(p), ([p], {}))
         self._step_group(group, params, [state], lambda: cache)
+
+    def _group_of(self, p: Tensor) -> dict:
+        """The param group holding ``p`` now (groups are replaced by load_state_dict and may be added), from a map
+        rebuilt whenever the list of groups differs from the one it was made from."""
+        groups = tuple(self.param_groups)
+        if self._group_map is None or not same_objects(self._group_map[0], groups):
+            self._group_map = (groups, {id(q): g for g in groups for q in g["params"]})
+        return self._group_map[1][id(p)]
 
     def _step_compiled(self, params, states, group) -> None:
         """The per-parameter compiled path: every format, every device. The step counts are advanced and the

@@ -29,7 +29,7 @@ from torch import Tensor
 from torchao_optim.optim.sharded import is_dtensor, like_param, local, local_part
 from torchao_optim.state import QuantizedState
 
-__all__ = ["checked_state"]
+__all__ = ["checked_state", "checked_step", "checked_moment"]
 
 # What the optimizer declares: ``STATE_KEYS`` (every state it may hold besides "step"), ``UNSIGNED_KEYS``,
 # ``REQUIRED_GROUP_KEYS`` (what a group of its state_dict must hold; any other key of the optimizer's groups
@@ -115,14 +115,14 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
     if unknown:
         raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
                          f"{['step', *keys]}")
-    out = {"step": _checked_step(p, entry["step"], where)}
+    out = {"step": checked_step(p, entry["step"], where)}
     for key in keys:
         if key in entry:
-            out[key] = _checked_moment(optimizer, p, group, key, entry[key], f"{where}: state[{key!r}]")
+            out[key] = checked_moment(optimizer, p, group, key, entry[key], f"{where}: state[{key!r}]")
     return out
 
 
-def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
+def checked_step(p: Tensor, step: Any, where: str) -> Tensor:
     if isinstance(step, Tensor):
         if step.numel() != 1 or step.is_complex() or step.device.type == "meta" or isinstance(step, QuantizedState):
             raise ValueError(f"{where}: state['step'] must be a number or a one-element real tensor, got "
@@ -137,7 +137,7 @@ def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
     return torch.tensor(value, dtype=torch.float32, device=p.device)
 
 
-def _checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, where: str) -> Tensor:
+def checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, where: str) -> Tensor:
     """``value`` checked and converted to what ``optimizer`` keeps for ``p``'s ``key``, on ``p``'s device (for a
     DTensor parameter, a DTensor laid out like it; see :func:`_checked_sharded_moment`)."""
     if not isinstance(value, Tensor):

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.sharded import local
+from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.quant import bucket_tables
 from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
 
@@ -157,12 +158,16 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
 
 
-def _fields(state, layout) -> Tuple[int, int]:
-    """(codes or values pointer, scales pointer) of one state (its local shard's, for a DTensor)."""
+def _fields(state, layout) -> Tuple[Tensor, Optional[Tensor]]:
+    """(codes or values, scales) of one state (its local shard's, for a DTensor): the tensors a kernel writes."""
     state = local(state)
     if layout == "fp32":
-        return state.data_ptr(), 0
-    return getattr(state, layout.codes).data_ptr(), getattr(state, layout.scales).data_ptr()
+        return state, None
+    return getattr(state, layout.codes), getattr(state, layout.scales)
+
+
+def _address(t: Optional[Tensor]) -> int:
+    return 0 if t is None else t.data_ptr()
 
 
 def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
@@ -251,8 +256,11 @@ class GroupPlan:
                     and torch.cuda.get_device_capability(device)[0] >= 9)
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
-        rows = [[p.data_ptr()] + [x for k, layout in zip(self.rule.state_keys, self.layouts)
-                                  for x in _fields(s[k], layout)] for p, s in zip(shards, states)]
+        pointed = [[p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
+                   for p, s in zip(shards, states)]
+        rows = [list(map(_address, row)) for row in pointed]
+        # the memory the tables point at stays allocated while the plan lives, whatever is done to the tensors
+        self.keep = storages(t for row in pointed for t in row)
         self.ptrs = torch.tensor(rows, dtype=torch.int64).to(device)
         # params and codes at 16-byte boundaries (fresh allocations are): the kernel's loads become vectors
         self.aligned = all(r[0] % 16 == 0 and all(x % 16 == 0 for x in r[1::2]) for r in rows)
@@ -476,11 +484,14 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
     the compiled path."""
     # The plans hold the parameters' addresses: a parameter whose storage was replaced (``p.data = ...``) is
     # planned again, not written at its old address.
+    # They also hold the states' addresses: a state replaced, removed or reset (``optimizer.state`` is the truth) is
+    # planned again too, from the state as it is now.
     addresses = _addresses(params)
     if cache.get("params") is params and cache.get("rule") == rule and cache.get("addresses") == addresses:
-        return cache["plans"], cache["rest"]  # the optimizer's list, unchanged
+        if cache["states"].same_values(states):
+            return cache["plans"], cache["rest"]  # the optimizer's list, unchanged
     key = (rule,) + tuple(id(p) for p in params)
-    if cache.get("key") == key and cache.get("addresses") == addresses:
+    if cache.get("key") == key and cache.get("addresses") == addresses and cache["states"].same_values(states):
         cache["params"] = params
         return cache["plans"], cache["rest"]
     for p, s in zip(params, states):
@@ -504,5 +515,7 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
     for plan, idx in zip(plans, buckets.values()):  # its parameters' positions in ``params``
         plan.pick = (lambda seq, i=idx[0]: (seq[i],)) if len(idx) == 1 else operator.itemgetter(*idx)
     _share_coefficients(plans)
-    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses)
+    # recorded after the plans re-pointed each state's "step" at their counters
+    snapshot = StateSnapshot(states, ("step",) + (rule.state_keys if rule is not None else ()))
+    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses, states=snapshot)
     return plans, rest

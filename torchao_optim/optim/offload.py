@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import FusedRule, GroupPlan, plan_key
+from torchao_optim.optim.snapshot import StateSnapshot
 from torchao_optim.state import QuantizedState
 
 __all__ = ["CHUNK_BYTES", "Slots", "OffloadChunk", "plan_offloaded", "pinned_empty", "state_nbytes"]
@@ -167,7 +168,7 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
     Building moves every state into a new arena (fresh ones as zeros) and replaces ``states[i][key]`` with a
     state over the arena; a parameter's ``"step"`` becomes an alias into its chunk's plan."""
     key = (rule, slots) + tuple(id(p) for p in params)
-    if cache.get("offload_key") == key:
+    if cache.get("offload_key") == key and cache["states"].same_values(states):
         return cache["chunks"], []
     keys = [plan_key(p, s, rule, interpreter) for p, s in zip(params, states)]
     rest = [i for i, k in enumerate(keys) if k is None]
@@ -218,7 +219,8 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
         chunks.append(OffloadChunk(plan, arena[start:start + size], slot))
         start += size
     cache.clear()
-    cache.update(offload_key=key, chunks=chunks)
+    # recorded after the states were moved into the arena and their steps re-pointed at the plans' counters
+    cache.update(offload_key=key, chunks=chunks, states=StateSnapshot(states, ("step",) + rule.state_keys))
     return chunks, []
 
 
