@@ -906,3 +906,24 @@ class TestZCompiledKernels(expecttest.TestCase):
         self.assertFalse(torch.equal(p, before))
         kernels = sum(src.count("async_compile.cpp_pybinding(") + src.count("async_compile.triton(") for src in code)
         self.assertExpectedInline(str(kernels), """1""")
+
+
+def test_variants_are_the_base_with_a_fixed_state_format_and_its_documented_arguments():
+    import inspect
+
+    import torchao_optim
+
+    for variant, base, fmt in [(torchao_optim.Adam8bit, torchao_optim.Adam, "dtq8"),
+                               (torchao_optim.AdamW8bit, torchao_optim.AdamW, "dtq8"),
+                               (torchao_optim.AdamW4bit, torchao_optim.AdamW, "4bit"),
+                               (torchao_optim.AdamWFp8, torchao_optim.AdamW, "fp8")]:
+        assert variant.__mro__[1] is base
+        base_args = dict(inspect.signature(base).parameters)
+        del base_args["state_format"]
+        assert dict(inspect.signature(variant).parameters) == base_args
+        for arg in base_args:  # help() documents every argument, as torch.optim's docstrings do
+            assert f"\n        {arg} (" in variant.__doc__, (variant.__name__, arg)
+        assert "state_format (" not in variant.__doc__ and f"state_format={fmt!r}" in variant.__doc__
+        opt = variant([torch.nn.Parameter(torch.randn(4))])
+        assert opt.param_groups[0]["state_format"] == fmt
+    assert "decoupled_weight_decay (" not in torchao_optim.AdamW.__doc__

@@ -159,7 +159,7 @@ def test_refuses_twice_unknown_format_and_our_optimizers():
     with pytest.raises(ValueError, match="already keeps quantized state"):
         quantize_optimizer_state(opt)
     with pytest.raises(ValueError, match="registered formats"):
-        quantize_optimizer_state(torch.optim.AdamW(params()), format="int3")
+        quantize_optimizer_state(torch.optim.AdamW(params()), state_format="int3")
     with pytest.raises(ValueError, match="state_format="):
         quantize_optimizer_state(torchao_optim.AdamW(params()))
     with pytest.raises(ValueError, match="LBFGS"):
@@ -292,3 +292,9 @@ def test_copies_step_like_the_original():
         train(opt, a, 1, start=1)
         assert all(torch.equal(p, q) for p, q in zip(twin["p"], a))
         assert type(twin["opt"].state[twin["p"][0]]["exp_avg"]) is DTQ8bitTensor
+
+
+def test_the_former_format_keyword_still_works_with_a_deprecation_warning():
+    with pytest.warns(DeprecationWarning, match="use state_format="):
+        opt = quantize_optimizer_state(torch.optim.AdamW(params()), format="4bit")
+    assert opt._quantized_state["format"] == "4bit"

@@ -1,6 +1,8 @@
 """Adam and AdamW with low-bit state: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Any, Dict
 
 import torch
@@ -120,7 +122,7 @@ class Adam(LowBitOptimizer):
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    UNSIGNED_KEYS = ("exp_avg_sq", "max_exp_avg_sq")
+    UNSIGNED_STATE_KEYS = ("exp_avg_sq", "max_exp_avg_sq")
     REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "eps", "weight_decay")
     STORAGE_KEYS = ("state_format", "block_size", "min_quant_size", "decoupled_weight_decay")
     update_fn = staticmethod(adam_update)
@@ -188,10 +190,10 @@ class Adam(LowBitOptimizer):
 
 
 class AdamW(Adam):
-    """:class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to ``1e-2``.
-
-    Args: as :class:`Adam`, without ``decoupled_weight_decay``.
-    """
+    __doc__ = (
+        "AdamW: :class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to "
+        "``1e-2``.\n" + re.sub(r"\n        decoupled_weight_decay \(bool, optional\):[^\n]*", "",
+                             Adam.__doc__.split("\n", 1)[1]).replace("Default: ``0``.", "Default: ``1e-2``.", 1))
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None,
@@ -204,52 +206,32 @@ class AdamW(Adam):
                          bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
 
 
-class Adam8bit(Adam):
-    """:class:`Adam` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
-                 maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
-                         block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
-
-
-class AdamW8bit(AdamW):
-    """:class:`AdamW` with the 8-bit dynamic tree state (``state_format="dtq8"``, blocks of 256)."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, state_format="dtq8",
-                         block_size=block_size, min_quant_size=min_quant_size, compile=compile, fused=fused,
-                         foreach=foreach, capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
-
-
-AdamDTQ8bit = Adam8bit
-
-
-def _with_format(base: type, name: str, state_format: str, what: str) -> type:
-    """``base`` with ``state_format`` fixed: the arguments are ``base``'s, without ``state_format``."""
+def with_state_format(base: type, name: str, state_format: str, what: str) -> type:
+    """The one way a variant is named: ``base`` with ``state_format`` fixed (``AdamW8bit`` is ``AdamW`` with
+    ``state_format="dtq8"``). Its arguments, signature and docstring are ``base``'s without ``state_format``."""
 
     def __init__(self, params, *args, **kwargs):
         if "state_format" in kwargs:
             raise TypeError(f"{name} always uses state_format={state_format!r}; use {base.__name__} to choose one")
         base.__init__(self, params, *args, state_format=state_format, **kwargs)
 
-    doc = (f":class:`{base.__name__}` with {what} (``state_format={state_format!r}``).\n\n"
-           f"    Args: as :class:`{base.__name__}`, without ``state_format``.")
+    signature = inspect.signature(base.__init__)
+    __init__.__signature__ = signature.replace(
+        parameters=[v for k, v in signature.parameters.items() if k != "state_format"])
+    # base's docstring, its first line and its state_format argument replaced
+    body = (base.__doc__ or "").split("\n", 1)[1] if "\n" in (base.__doc__ or "") else ""
+    body = re.sub(r"\n        state_format \(str, optional\):.*?(?=\n        \w+ \()", "", body, flags=re.S)
+    doc = f"{base.__name__} with {what} (``state_format={state_format!r}``).\n{body}"
     return type(name, (base,), {"__init__": __init__, "__doc__": doc, "__module__": __name__, "__qualname__": name})
 
 
-Adam4bit = _with_format(Adam, "Adam4bit", "4bit", "4-bit state (blocks of 128)")
-AdamW4bit = _with_format(AdamW, "AdamW4bit", "4bit", "4-bit state (blocks of 128)")
-AdamFp8 = _with_format(Adam, "AdamFp8", "fp8", "8-bit float state (blocks of 256)")
-AdamWFp8 = _with_format(AdamW, "AdamWFp8", "fp8", "8-bit float state (blocks of 256)")
+Adam8bit = with_state_format(Adam, "Adam8bit", "dtq8", "the 8-bit dynamic tree state (blocks of 256)")
+AdamW8bit = with_state_format(AdamW, "AdamW8bit", "dtq8", "the 8-bit dynamic tree state (blocks of 256)")
+AdamDTQ8bit = Adam8bit
+Adam4bit = with_state_format(Adam, "Adam4bit", "4bit", "4-bit state (blocks of 128)")
+AdamW4bit = with_state_format(AdamW, "AdamW4bit", "4bit", "4-bit state (blocks of 128)")
+AdamFp8 = with_state_format(Adam, "AdamFp8", "fp8", "8-bit float state (blocks of 256)")
+AdamWFp8 = with_state_format(AdamW, "AdamWFp8", "fp8", "8-bit float state (blocks of 256)")
 
 
 def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:

@@ -172,7 +172,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     _quantized_state_native = True  # quantize_optimizer_state refuses it: choose the format with state_format=
     STATE_KEYS: Tuple[str, ...] = ()  # every state key the optimizer may create (besides "step")
-    UNSIGNED_KEYS: Tuple[str, ...] = ()  # the ones that never hold a negative value
+    UNSIGNED_STATE_KEYS: Tuple[str, ...] = ()  # the ones that never hold a negative value
     REQUIRED_GROUP_KEYS: Tuple[str, ...] = ("params", "lr")  # what a loadable state_dict's groups hold
     # kept from the optimizer when a state_dict is loaded (how states are stored and params rounded)
     STORAGE_KEYS: Tuple[str, ...] = ("state_format", "block_size", "min_quant_size", "bf16_stochastic_round")
@@ -312,7 +312,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         return torch.device("cpu") if self._offloads(p) else local(p).device
 
     def _signed(self, key: str) -> bool:
-        return key not in self.UNSIGNED_KEYS
+        return key not in self.UNSIGNED_STATE_KEYS
 
     def _format_for(self, p: Tensor, group) -> Optional[type]:
         """The format class for ``p``'s state, or None for plain (unquantized) state. Decided from the global

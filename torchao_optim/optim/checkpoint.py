@@ -31,7 +31,7 @@ from torchao_optim.state import QuantizedState
 
 __all__ = ["checked_state", "checked_step", "checked_moment"]
 
-# What the optimizer declares: ``STATE_KEYS`` (every state it may hold besides "step"), ``UNSIGNED_KEYS``,
+# What the optimizer declares: ``STATE_KEYS`` (every state it may hold besides "step"), ``UNSIGNED_STATE_KEYS``,
 # ``REQUIRED_GROUP_KEYS`` (what a group of its state_dict must hold; any other key of the optimizer's groups
 # is filled in from the optimizer, as torch.optim does for old checkpoints) and ``STEP_OPTIONAL``.
 

@@ -111,7 +111,7 @@ class Muon8bit(LowBitOptimizer):
     """
 
     STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-    UNSIGNED_KEYS = ("exp_avg_sq",)
+    UNSIGNED_STATE_KEYS = ("exp_avg_sq",)
     REQUIRED_GROUP_KEYS = ("params", "lr", "momentum", "weight_decay", "nesterov")
     STEP_OPTIONAL = True
     update_fn = staticmethod(muon_momentum)

@@ -17,6 +17,7 @@ closures (evaluated once per step).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -40,17 +41,18 @@ DEFAULT_CHUNK_NUMEL = 1 << 24  # elements per chunk: at most 64 MiB of fp32 per 
 
 def quantize_optimizer_state(
     optimizer: torch.optim.Optimizer,
-    format: str = "dtq8",
+    state_format: str = "dtq8",
     min_quant_size: int = 4096,
     *,
     block_size: Optional[int] = None,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     compile: bool = True,
+    format: Optional[str] = None,
 ) -> torch.optim.Optimizer:
     """Make a stock ``torch.optim`` optimizer keep its state in a low-bit format; returns ``optimizer``.
 
     Works before the first step or after some (existing states are quantized at once). Every state tensor
-    of a parameter's shape with at least ``min_quant_size`` elements is stored in ``format``: with the
+    of a parameter's shape with at least ``min_quant_size`` elements is stored in ``state_format``: with the
     unsigned map where it cannot be negative (:data:`UNSIGNED_STATE_KEYS`), the signed map otherwise. Scalars
     (``step``) and small parameters' states stay as they are. Each step dequantizes the states of up to
     ``chunk_numel`` elements of parameters at a time (a larger parameter is a chunk of its own), runs the
@@ -64,14 +66,20 @@ def quantize_optimizer_state(
 
     Args:
         optimizer: a ``torch.optim.Optimizer`` (tested: Adam, AdamW, SGD, RMSprop, Adagrad).
-        format (str): a registered state format (``torchao_optim.list_state_formats()``). Default: ``"dtq8"``.
+        state_format (str): a registered state format (``torchao_optim.list_state_formats()``). Default:
+            ``"dtq8"``.
         min_quant_size (int): parameters with fewer elements keep their state as it is. Default: ``4096``.
         block_size (int, optional): elements per quantization block; ``None``: the format's default.
         chunk_numel (int): elements of parameters whose states are held in fp32 at once. Default: ``2**24``.
         compile (bool): requantize each state with a compiled kernel (``torch.compile``, one graph per format
             configuration, a few seconds each on the first step; 17x faster than eager on a CPU, measured on a
             1M-element state); falls back to eager, with one warning, where compiling fails. Default: ``True``.
+        format (str, optional): the former name of ``state_format``, accepted with a ``DeprecationWarning``.
     """
+    if format is not None:
+        warnings.warn("quantize_optimizer_state(format=...) is deprecated: use state_format=, as every optimizer "
+                      "of the library names it", DeprecationWarning, stacklevel=2)
+        state_format = format
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"quantize_optimizer_state expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _QuantizedStep):
@@ -83,7 +91,7 @@ def quantize_optimizer_state(
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("quantize_optimizer_state cannot run LBFGS: its step re-evaluates the closure over all "
                          "parameters at once, and its state is a history of flat vectors, not per-parameter tensors")
-    fmt = get_state_format(format)  # ValueError naming the registered formats
+    fmt = get_state_format(state_format)  # ValueError naming the registered formats
     if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
     if not isinstance(chunk_numel, int) or isinstance(chunk_numel, bool) or chunk_numel <= 0:
@@ -93,7 +101,7 @@ def quantize_optimizer_state(
     fmt.check_attrs((fmt.default_block_size,), **fmt._attrs(signed=True, block_size=block_size))
 
     base = type(optimizer)
-    optimizer._quantized_state = {"format": format, "min_quant_size": min_quant_size, "block_size": block_size,
+    optimizer._quantized_state = {"format": state_format, "min_quant_size": min_quant_size, "block_size": block_size,
                                   "chunk_numel": chunk_numel, "compile": bool(compile)}
     optimizer.__class__ = _subclass_for(base)
     optimizer._patch_step_function()  # step pre/post hooks around the whole (chunked) step
