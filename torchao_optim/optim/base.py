@@ -179,11 +179,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
     STEP_OPTIONAL = False  # torch.optim's form of the state has no "step" (SGD, Muon): a loaded one counts 1
     update_fn = None  # the compiled path's rule
 
-    @property
-    def _snapshot_keys(self) -> Tuple[str, ...]:
-        """The state keys whose values the caches are built from (``optim/snapshot.py``)."""
-        return ("step",) + self.STATE_KEYS
-
     def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
                  capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False,
                  offload_state: bool = False):
@@ -559,13 +554,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         cached = self._with_grad.get(id(group))
         if cached is not None and cached[0] == key:
             params, states, snapshot = cached[1:]
-            if not snapshot.holds(self.state, params):
+            if not snapshot.holds(self.state):
                 if not same_objects(tuple(map(self.state.get, params)), states):
                     cached = None  # a state dict replaced or removed: collect them again
-                else:  # the same dicts, some value replaced or removed: adopt them, keep the lists
+                else:  # the same dicts (another's changed, or some value): adopt them, keep the lists
                     for p, state in zip(params, states):
                         self._adopt_state(p, group, state)
-                    self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self._snapshot_keys))
+                    self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self.state))
         else:
             cached = None
         if cached is not None:
@@ -588,7 +583,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._adopt_state(p, group, state)
             params.append(p)
             states.append(state)
-        self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self._snapshot_keys))
+        self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self.state))
         return params, states
 
     def _fused_rule(self, group) -> Optional[FusedRule]:
@@ -646,7 +641,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
         cache = self._plans.get(id(group), {})
         if cache.get("plans") is not steady.plans:
             return False  # planned again since (a step traced by torch.compile plans through the same cache)
-        if not cache["states"].holds(self.state, group["params"]):
+        with_grad = self._with_grad.get(id(group))
+        if with_grad is None or with_grad[3] is not steady.snapshot or not steady.snapshot.holds(self.state):
             return False  # a state replaced, removed or reset: the whole way adopts it and plans again
         # the plans' tables follow moved gradients (outside the graph); a gradient that is not contiguous, moved
         # or a view at the same address, sends the step the full way, which plans its parameter again
@@ -789,8 +785,13 @@ class LowBitOptimizer(torch.optim.Optimizer):
         graph = self._graphs.setdefault(id(group), StepGraph())
         replayed = graph.run(signature, (params, plans, tensors), work, device)
         # replayed, fused only, every parameter with a gradient: the next step may take the short way
-        if replayed and not compiled[0] and addresses is not None and len(params) == len(group["params"]):
-            graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys)
+        # and the state it was made from is the state now (checked once here; the short way checks only that
+        # nothing changed since)
+        with_grad = self._with_grad.get(id(group))
+        if (replayed and not compiled[0] and addresses is not None and len(params) == len(group["params"])
+                and with_grad is not None and with_grad[1] is params and with_grad[3].holds(self.state)):
+            graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys,
+                                  with_grad[3])
 
     def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
         """The CUDA device whose graph may replay the step of ``params`` (``group``'s with gradients), or None

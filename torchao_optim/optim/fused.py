@@ -516,6 +516,6 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
         plan.pick = (lambda seq, i=idx[0]: (seq[i],)) if len(idx) == 1 else operator.itemgetter(*idx)
     _share_coefficients(plans)
     # recorded after the plans re-pointed each state's "step" at their counters
-    snapshot = StateSnapshot(states, ("step",) + (rule.state_keys if rule is not None else ()))
-    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses, states=snapshot)
+    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses,
+                 states=StateSnapshot(states))
     return plans, rest

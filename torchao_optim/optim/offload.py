@@ -220,7 +220,7 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
         start += size
     cache.clear()
     # recorded after the states were moved into the arena and their steps re-pointed at the plans' counters
-    cache.update(offload_key=key, chunks=chunks, states=StateSnapshot(states, ("step",) + rule.state_keys))
+    cache.update(offload_key=key, chunks=chunks, states=StateSnapshot(states))
     return chunks, []
 
 

@@ -22,7 +22,7 @@ off; results are bit-identical either way.
 A replayed step whose group then steps again unchanged takes a shorter road (:class:`Steady`): what the
 signature and the fused plans depend on is checked in a few passes over the parameters in C (the gradients'
 addresses, which also say that every parameter has one; the parameters' ids and addresses; the group's
-settings by identity), and the graph is replayed. Anything else goes the whole way, which decides again.
+settings and the optimizer's state by identity), and the graph is replayed. Anything else goes the whole way, which decides again.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import _GRAD
+from torchao_optim.optim.snapshot import StateSnapshot
 
 __all__ = ["ENABLED", "StepGraph", "Steady"]
 
@@ -121,7 +122,8 @@ class Steady:
     """
 
     def __init__(self, group: dict, param_addresses: tuple, grad_addresses: tuple, plans: Sequence,
-                 device: torch.device, data_keys: set):
+                 device: torch.device, data_keys: set, snapshot: StateSnapshot):
+        self.snapshot = snapshot  # the optimizer's state as the plans were made from it (optim/snapshot.py)
         self.params = group["params"]
         self.ids = tuple(map(id, self.params))
         self.param_addresses = param_addresses
