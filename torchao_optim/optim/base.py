@@ -9,6 +9,7 @@ executors read) and updates one parameter on the compiled path; everything else 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import operator
@@ -143,25 +144,36 @@ def step_shape(p: Tensor, states) -> tuple:
     return (p.numel(),)
 
 
-def flat_aliases(p: Tensor, grad: Tensor, states: Sequence[Optional[Tensor]]):
-    """``(p, grad, states)`` as the compiled update takes them: contiguous ones aliased to :func:`step_shape`,
-    so that every parameter, whatever its shape, reuses one compiled graph (a non-contiguous parameter keeps
-    its shape, and gets a graph of its own). DTensors (FSDP2) are replaced by their local shards: the update is
-    elementwise, and every rank holds whole blocks."""
-    p, grad, states = local(p), local(grad), [local(s) for s in states]
-    if not p.is_contiguous():
-        return p, grad, list(states)
-    shape = step_shape(p, states)
+@contextlib.contextmanager
+def flat_aliases(p: Optional[Tensor], grad: Tensor, states: Sequence[Optional[Tensor]]):
+    """Within: ``(p, grad, states)`` as the compiled update takes them, contiguous and aliased to
+    :func:`step_shape`, so that every parameter, whatever its shape, reuses one compiled graph. DTensors (FSDP2)
+    are replaced by their local shards: the update is elementwise, and every rank holds whole blocks.
+
+    A quantized state holds its elements in the parameter's logical (row-major) order, whatever the strides.
+    A tensor that is not contiguous (a transposed weight, a channels_last conv weight, its gradient) is handed
+    over as a contiguous copy in that order, and, where the update writes it, copied back on leaving. Tensors
+    of several layouts in one update are what inductor miscompiles: it iterates the parameter's layout and the
+    states' flat blocks in loops of their own, and drops a short last block's codes. ``p`` None: a rule that
+    does not write the parameter (Muon's momentum)."""
+    written = [None if p is None else local(p)] + [local(s) for s in states]
+    work = [t if t is None or t.is_contiguous() else t.contiguous() for t in written]
+    grad = local(grad)
     grad = grad if grad.is_contiguous() else grad.contiguous()
-    out = [alias(p, shape), alias(grad, shape)] + [None if s is None else alias(s, shape) for s in states]
+    shape = step_shape(grad, work[1:])
+    olds = work[:1] + [grad] + work[1:]
+    out = [None if t is None else alias(t, shape) for t in olds]
     if len(shape) == 2:
         # (n_blocks, block_size): the block size is the format's, a constant of the graph, not a size for
         # dynamo to reason about (with it symbolic, tracing spends a third of its time on symbolic arithmetic
         # and guards). Only on the aliases made here: a caller's own tensor is never marked.
-        for new, old in zip(out, [p, grad] + list(states)):
+        for new, old in zip(out, olds):
             if new is not None and new is not old:
                 torch._dynamo.mark_static(new, 1)
-    return out[0], out[1], out[2:]
+    yield out[0], out[1], out[2:]
+    for original, contiguous in zip(written, work):
+        if contiguous is not original:
+            original.copy_(contiguous)
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
