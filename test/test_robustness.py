@@ -196,6 +196,25 @@ class TestCorruptCheckpoints(expecttest.TestCase):
         opt.step()
         self.assertTrue(all(torch.isfinite(p).all() for p in params))
 
+    def test_a_parameter_listed_twice_in_a_group_is_refused(self):
+        """torch.optim warns and steps such a parameter twice; the fused step would update it from two threads
+        at once (results that differed from run to run): refused, naming where it is listed, and, for
+        add_param_group, not added."""
+        params, opt = make()
+        before = snapshot(opt)
+        extra = torch.nn.Parameter(torch.randn(4, 5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the error alone, without torch.optim's warning before it
+            with self.assertRaisesRegex(ValueError, re.escape("param group 1: the parameter of shape (4, 5) is listed "
+                                                              "2 times, at positions [0, 2]")):
+                opt.add_param_group({"params": [extra, torch.nn.Parameter(torch.randn(3)), extra]})
+            assert_unchanged(self, opt, before, "add_param_group")
+            with self.assertRaisesRegex(ValueError, re.escape("param group 0: the parameter ('w') of shape (4, 5) "
+                                                              "is listed 3 times, at positions [1, 2, 3]")):
+                AdamW8bit([("v", params[0]), ("w", extra), ("x", extra), ("y", extra)], compile=False)
+            with self.assertRaisesRegex(ValueError, re.escape("(64, 128) is listed 2 times, at positions [0, 1]")):
+                AdamW8bit([params[0], params[0]])
+
     def test_numpy_scalars_and_tensors_are_accepted(self):
         """Where torch.optim takes a numpy scalar or a one-element tensor, so do we (constructor, group,
         checkpoint), and the step uses its value."""

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import numbers
 import operator
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -77,6 +78,20 @@ def as_float(group, key: str) -> None:
 def check_bool(group, key: str) -> None:
     if not isinstance(group[key], bool):
         raise ValueError(f"Invalid {key}: {group[key]!r} (True or False)")
+
+
+def check_unique(group) -> None:
+    """ValueError naming a parameter that ``group`` lists more than once (its positions, name and shape): it would
+    be stepped twice per step, and on the fused path by two threads at once, racing on its state."""
+    first: Dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        if first.setdefault(id(p), i) != i:
+            positions = [j for j, q in enumerate(group["params"]) if q is p]
+            names = group.get("param_names")
+            name = f" ({names[positions[0]]!r})" if names and len(names) > positions[0] else ""
+            raise ValueError(f"the parameter{name} of shape {tuple(p.shape)} is listed {len(positions)} times, at "
+                             f"positions {positions}, so each step would update it {len(positions)} times: list "
+                             f"each parameter once")
 
 
 def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) -> None:
@@ -250,7 +265,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # ---- parameter groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As ``torch.optim``'s; a group that fails the checks raises and is not added."""
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():
+            # refused below with the parameter named; torch.optim's warning for it would only come first
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
         except Exception:
@@ -266,6 +284,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         where = f"param group {len(self.param_groups) - 1 if index is None else index}"
         try:
             self._check_hyperparams(group)
+            check_unique(group)
             check_bool(group, "bf16_stochastic_round")
             check_storage(group["block_size"], group["min_quant_size"])
             if group["state_format"] != "none":
