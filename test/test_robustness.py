@@ -300,11 +300,20 @@ class TestReplacedParameterData(expecttest.TestCase):
                 assert_same_tensor(self, x, y, "an old storage")
 
     def test_data_of_another_shape_is_refused(self):
-        params, opt = make(steps=1, fused=None)
-        params[0].data = torch.zeros(32, 128)
-        params[0].grad = torch.zeros(32, 128)
-        with self.assertRaisesRegex(RuntimeError, r"shape \(32, 128\) has a state 'exp_avg' of shape \(64, 128\)"):
-            opt.step()
+        # by both executors, with one message naming the parameter, before anything changes (step counts included)
+        for fused in (None, False):
+            params, opt = make(steps=1, fused=fused)
+            params[1].data = torch.zeros(32, 128)
+            for p in params:
+                p.grad = torch.zeros(p.shape)
+            before = snapshot(opt)
+            data = [p.detach().clone() for p in params]
+            with self.assertRaisesRegex(RuntimeError, re.escape("parameter 1 has shape (32, 128) and a state 'exp_avg' "
+                                                                "of shape (4097,): its data was replaced")):
+                opt.step()
+            assert_unchanged(self, opt, before, f"fused={fused}")
+            for p, x in zip(params, data):
+                assert_same_tensor(self, p.detach(), x, f"fused={fused}")
 
 
 class TestSharedMemory(expecttest.TestCase):

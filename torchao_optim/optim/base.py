@@ -22,7 +22,7 @@ from torch import Tensor
 from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.checkpoint import checked_state
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.fused import _GRAD, FusedRule, fused_available, plan_group
+from torchao_optim.optim.fused import _GRAD, FusedRule, check_state_shapes, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
@@ -787,6 +787,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The per-parameter compiled path: every format, every device. The step counts are advanced and the
         coefficients computed for all of them at once, per device (a handful of small kernels, not a handful
         per parameter)."""
+        check_state_shapes(params, states, self.STATE_KEYS, self._rounding)
         by_device: Dict[torch.device, List[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
