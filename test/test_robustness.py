@@ -8,6 +8,7 @@ checked is which graphs exist, not what they compile to.
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import re
 import warnings
@@ -76,6 +77,13 @@ def _delete(sd, pid, key):
     del sd["state"][pid][key]
 
 
+def _loaded_on_meta(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="meta")
+
+
 # (name, how to corrupt a state_dict of make()'s optimizer, what the error must say)
 CORRUPTIONS = [
     ("missing exp_avg_sq", lambda sd: _delete(sd, 0, "exp_avg_sq"),
@@ -105,7 +113,15 @@ CORRUPTIONS = [
      r"parameter 2 .*must be a floating-point tensor holding data, got torch.int64"),
     ("complex state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, dtype=torch.complex64)),
      r"got torch.complex64"),
-    ("meta state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, device="meta")), r"on meta"),
+    ("meta state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, device="meta")),
+     r"parameter 2 of shape \(64,\): state\['exp_avg'\] is on the meta device, which holds no data"),
+    ("meta quantized state", lambda sd: _state_with(sd, 0, "exp_avg", _loaded_on_meta(sd)["state"][0]["exp_avg"]),
+     r"parameter 0 of shape \(64, 128\): state\['exp_avg'\] is on the meta device, which holds no data"),
+    ("meta step", lambda sd: _state_with(sd, 1, "step", torch.tensor(1.0, device="meta")),
+     r"parameter 1 .*state\['step'\] is on the meta device, which holds no data"),
+    ("loaded with map_location='meta'", lambda sd: sd.update(_loaded_on_meta(sd)),
+     r"parameter 0 of shape \(64, 128\): state\['step'\] is on the meta device, .*load it with a map_location "
+     r"that holds data, such as 'cpu'"),
     ("state not a tensor", lambda sd: _state_with(sd, 2, "exp_avg", [0.0] * 64), r"must be a tensor, got list"),
     ("NaN step", lambda sd: _state_with(sd, 1, "step", torch.tensor(float("nan"))),
      r"parameter 1 .*state\['step'\] must be a finite count >= 0, got nan"),

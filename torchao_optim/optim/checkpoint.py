@@ -115,6 +115,11 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
     if unknown:
         raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
                          f"{['step', *keys]}")
+    for key, value in entry.items():
+        if isinstance(value, Tensor) and value.device.type == "meta":
+            raise ValueError(f"{where}: state[{key!r}] is on the meta device, which holds no data (a checkpoint "
+                             f"loaded with torch.load(..., map_location='meta')?): load it with a map_location "
+                             f"that holds data, such as 'cpu'")
     out = {"step": _checked_step(p, entry["step"], where)}
     for key in keys:
         if key in entry:
@@ -124,7 +129,7 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
 
 def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
     if isinstance(step, Tensor):
-        if step.numel() != 1 or step.is_complex() or step.device.type == "meta" or isinstance(step, QuantizedState):
+        if step.numel() != 1 or step.is_complex() or isinstance(step, QuantizedState):
             raise ValueError(f"{where}: state['step'] must be a number or a one-element real tensor, got "
                              f"{type(step).__name__} of shape {tuple(step.shape)} and dtype {step.dtype}")
         value = float(step.detach().reshape(()).cpu())
