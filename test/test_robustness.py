@@ -84,6 +84,21 @@ def _loaded_on_meta(sd):
     return torch.load(buf, map_location="meta")
 
 
+class _OtherLibrarysState(torch.Tensor):
+    """A tensor subclass of another library (as torchao's 8-bit state is): it implements no op we would run."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_OtherLibrarysState does not implement {func}")
+
+
+_OTHER = f"{_OtherLibrarysState.__module__}.{_OtherLibrarysState.__qualname__}"  # as the error names it
+
+
 # (name, how to corrupt a state_dict of make()'s optimizer, what the error must say)
 CORRUPTIONS = [
     ("missing exp_avg_sq", lambda sd: _delete(sd, 0, "exp_avg_sq"),
@@ -122,6 +137,11 @@ CORRUPTIONS = [
     ("loaded with map_location='meta'", lambda sd: sd.update(_loaded_on_meta(sd)),
      r"parameter 0 of shape \(64, 128\): state\['step'\] is on the meta device, .*load it with a map_location "
      r"that holds data, such as 'cpu'"),
+    ("another library's state", lambda sd: _state_with(sd, 0, "exp_avg", _OtherLibrarysState((64, 128))),
+     r"parameter 0 of shape \(64, 128\): state\['exp_avg'\] is a " + re.escape(_OTHER) + r", a tensor subclass this "
+     r"library does not know .*converting optimizer state from other libraries is not supported yet"),
+    ("another library's step", lambda sd: _state_with(sd, 1, "step", _OtherLibrarysState(())),
+     r"parameter 1 .*state\['step'\] is a " + re.escape(_OTHER)),
     ("state not a tensor", lambda sd: _state_with(sd, 2, "exp_avg", [0.0] * 64), r"must be a tensor, got list"),
     ("NaN step", lambda sd: _state_with(sd, 1, "step", torch.tensor(float("nan"))),
      r"parameter 1 .*state\['step'\] must be a finite count >= 0, got nan"),

@@ -6,8 +6,9 @@ touching the optimizer. Anything inconsistent raises one ``ValueError`` that nam
 index over all groups, and its name where the checkpoint has ``param_names``), the key, what was expected
 and what was found: a missing key, a state of another shape, a dtype that is not floating, a quantized
 state whose fields do not fit its shape (truncated codes, an absmax of the wrong length, a NaN absmax),
-non-finite or (for ``exp_avg_sq``) negative values. Loading such a checkpoint would otherwise train on
-garbage or fail deep inside a compiled step.
+non-finite or (for ``exp_avg_sq``) negative values, a state on the meta device, another library's tensor
+subclass (converting other libraries' states is not supported yet). Loading such a checkpoint would otherwise
+train on garbage or fail deep inside a compiled step, or inside the other library's code.
 
 A DTensor parameter's state (FSDP2) is a DTensor with the parameter's mesh and placements: its local tensor
 is checked and converted as above, on each rank; a whole tensor of the global shape is also accepted, and
@@ -116,6 +117,7 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
         raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
                          f"{['step', *keys]}")
     for key, value in entry.items():
+        _refuse_foreign(value, f"{where}: state[{key!r}]")
         if isinstance(value, Tensor) and value.device.type == "meta":
             raise ValueError(f"{where}: state[{key!r}] is on the meta device, which holds no data (a checkpoint "
                              f"loaded with torch.load(..., map_location='meta')?): load it with a map_location "
@@ -125,6 +127,22 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
         if key in entry:
             out[key] = _checked_moment(optimizer, p, group, key, entry[key], f"{where}: state[{key!r}]")
     return out
+
+
+def _refuse_foreign(value: Any, where: str) -> None:
+    """ValueError for a tensor subclass of another library (torchao's 8-bit state, say), or a DTensor over one:
+    the checks below run ops on every state, which such a subclass implements in its own way or not at all."""
+    inner = value
+    if is_dtensor(value):
+        with torch.no_grad():  # the local tensor itself: to_local() with grad enabled runs an op on it
+            inner = value.to_local()
+    known = (Tensor, torch.nn.Parameter)
+    if not isinstance(inner, Tensor) or type(inner) in known or isinstance(inner, QuantizedState):
+        return
+    cls = type(inner)
+    raise ValueError(f"{where} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass this library does not "
+                     f"know (another library's state?): converting optimizer state from other libraries is not "
+                     f"supported yet; load a state_dict whose states are plain tensors, dequantized by that library")
 
 
 def _checked_step(p: Tensor, step: Any, where: str) -> Tensor:
