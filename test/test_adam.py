@@ -886,6 +886,51 @@ class TestLayouts(expecttest.TestCase):
         for key in ("exp_avg", "exp_avg_sq"):
             assert_within_quant_step(self, o1.state[cl][key], o2.state[contiguous][key], key)
 
+    def test_non_contiguous_params_on_the_compiled_path(self):
+        """A transposed weight and a channels_last conv weight, stepped on the compiled path (fused=False) and
+        with the fused CPU step's default (which leaves them to the compiled path), with a contiguous gradient
+        and then one with the parameter's strides: torch.optim.AdamW's numbers, element for element. fp32
+        state: to fp32 rounding. Quantized state: each requantization moves an element by at most HALF_GAP of
+        its block's absmax after that step, and an earlier error only shrinks (by beta), so after the steps the
+        error is at most HALF_GAP times the sum of those absmaxes. (Sizes with a short last block and fp32
+        state: the graphs the other compiled tests compile.)"""
+        makes = {"transposed": lambda w: w.reshape(130, 7).t(),
+                 "channels_last": lambda w: w.reshape(8, 16, 3, 3).to(memory_format=torch.channels_last)}
+        for name, make in makes.items():
+            for state_format in ("dtq8", "none"):
+                for fused in (False, None):
+                    what = f"{name}, state_format={state_format}, fused={fused}"
+                    gen = torch.Generator().manual_seed(0)
+                    p = torch.nn.Parameter(make(torch.randn(910 if name == "transposed" else 1152, generator=gen)))
+                    ref = torch.nn.Parameter(p.detach().clone())
+                    strides = p.stride()
+                    opt = AdamW([p], lr=1e-2, state_format=state_format, min_quant_size=0, fused=fused)
+                    r = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+                    absmaxes = {"exp_avg": 0, "exp_avg_sq": 0}
+                    for i in range(2):
+                        g = torch.randn(p.shape, generator=gen)
+                        p.grad = g if i == 0 else torch.empty_like(p).copy_(g)  # contiguous, then p's strides
+                        ref.grad = g.clone()
+                        opt.step()
+                        r.step()
+                        for key in absmaxes:
+                            absmaxes[key] = absmaxes[key] + getattr(opt.state[p][key], "absmax", 0)
+                    self.assertEqual(p.stride(), strides, what)
+                    for key in absmaxes:
+                        mine, theirs = as_float(opt.state[p][key]), r.state[ref][key]
+                        if state_format == "none":
+                            self.assertLessEqual(rel_err(mine, theirs), 1e-6, f"{what}: {key}")
+                            continue
+                        q = opt.state[p][key]
+                        self.assertIs(type(q), DTQ8bitTensor, what)
+                        bound = HALF_GAP[q.signed] * absmaxes[key][torch.arange(q.numel()) // q.block_size]
+                        diff = (mine - theirs).abs().reshape(-1)
+                        bad = (diff > bound * ROUNDING).nonzero().flatten()
+                        self.assertEqual(bad.numel(), 0, f"{what}: {key} is off by more than its quantization "
+                                                         f"error at {bad.numel()} elements, first {bad[:5].tolist()}")
+                    if state_format == "none":
+                        self.assertLessEqual(rel_err(p, ref), 1e-6, what)
+
 
 # ---- compiled code: runs last, since run_and_get_code resets dynamo's caches ------------------------------
 class TestZCompiledKernels(expecttest.TestCase):

@@ -233,9 +233,9 @@ def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
         assert torch.equal(x, y)
 
 
-def test_flags_the_compiler_refuses_are_dropped_once(monkeypatch, tmp_path):
-    """A flag set the compiler rejects (here a made-up option) falls through to the next one, and is not tried
-    again by a later process: the refusal is cached beside the library."""
+def test_flags_the_compiler_refuses_are_dropped(monkeypatch, tmp_path):
+    """A flag set the compiler rejects (here a made-up option) falls through to the next one; a later process
+    loads the library built then, after one more try of the rejected set (a refusal is not cached on disk)."""
     monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(cpu, "GATHER", ["-fno-such-option-torchao-optim"])
     calls = []
@@ -251,10 +251,40 @@ def test_flags_the_compiler_refuses_are_dropped_once(monkeypatch, tmp_path):
         assert cpu.cpu_kernels_available()
         builds = [a for a in calls if "-o" in a]
         assert len(builds) == 2 and "-fno-such-option-torchao-optim" in builds[0]
-        assert len(list(tmp_path.glob("*.failed"))) == 1 and len(list(tmp_path.glob("*.so"))) == 1
+        assert [p.suffix for p in tmp_path.iterdir()] == [".so"]
         calls.clear()
         cpu.cpu_kernels.cache_clear()
         assert cpu.cpu_kernels_available()
-        assert [a for a in calls if "-o" in a] == []  # neither rebuilt nor retried
+        builds = [a for a in calls if "-o" in a]
+        assert len(builds) == 1 and "-fno-such-option-torchao-optim" in builds[0]  # tried again, not rebuilt
+    finally:
+        cpu.cpu_kernels.cache_clear()
+
+
+def test_a_failed_build_is_tried_again_by_a_later_process(monkeypatch, tmp_path):
+    """Builds that fail (here killed midway, after writing part of their output) leave nothing in the cache: no
+    partial library under a name that is loaded, and no mark that would keep a later process from building.
+    The process warns once and takes the compiled path; a later one (the caches cleared) builds and loads."""
+    monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
+    real_run = cpu.subprocess.run
+
+    def killed_midway(args, **kwargs):
+        if "-o" not in args:
+            return real_run(args, **kwargs)
+        with open(args[args.index("-o") + 1], "wb") as f:
+            f.write(b"\x7fELF, then nothing")
+        return cpu.subprocess.CompletedProcess(args, -9, "", "")
+
+    monkeypatch.setattr(cpu.subprocess, "run", killed_midway)
+    cpu.cpu_kernels.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built .*exit status -9"):
+            assert not cpu.cpu_kernels_available()
+        assert list(tmp_path.iterdir()) == []
+        monkeypatch.setattr(cpu.subprocess, "run", real_run)
+        assert not cpu.cpu_kernels_available()  # this process does not try again
+        cpu.cpu_kernels.cache_clear()
+        assert cpu.cpu_kernels_available()
+        assert len(list(tmp_path.glob("cpu_step_*.so"))) == 1
     finally:
         cpu.cpu_kernels.cache_clear()

@@ -8,6 +8,7 @@ checked is which graphs exist, not what they compile to.
 from __future__ import annotations
 
 import copy
+import io
 import pickle
 import re
 import warnings
@@ -76,6 +77,28 @@ def _delete(sd, pid, key):
     del sd["state"][pid][key]
 
 
+def _loaded_on_meta(sd):
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    return torch.load(buf, map_location="meta")
+
+
+class _OtherLibrarysState(torch.Tensor):
+    """A tensor subclass of another library (as torchao's 8-bit state is): it implements no op we would run."""
+
+    @staticmethod
+    def __new__(cls, shape):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_OtherLibrarysState does not implement {func}")
+
+
+_OTHER = f"{_OtherLibrarysState.__module__}.{_OtherLibrarysState.__qualname__}"  # as the error names it
+
+
 # (name, how to corrupt a state_dict of make()'s optimizer, what the error must say)
 CORRUPTIONS = [
     ("missing exp_avg_sq", lambda sd: _delete(sd, 0, "exp_avg_sq"),
@@ -105,7 +128,20 @@ CORRUPTIONS = [
      r"parameter 2 .*must be a floating-point tensor holding data, got torch.int64"),
     ("complex state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, dtype=torch.complex64)),
      r"got torch.complex64"),
-    ("meta state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, device="meta")), r"on meta"),
+    ("meta state", lambda sd: _state_with(sd, 2, "exp_avg", torch.zeros(64, device="meta")),
+     r"parameter 2 of shape \(64,\): state\['exp_avg'\] is on the meta device, which holds no data"),
+    ("meta quantized state", lambda sd: _state_with(sd, 0, "exp_avg", _loaded_on_meta(sd)["state"][0]["exp_avg"]),
+     r"parameter 0 of shape \(64, 128\): state\['exp_avg'\] is on the meta device, which holds no data"),
+    ("meta step", lambda sd: _state_with(sd, 1, "step", torch.tensor(1.0, device="meta")),
+     r"parameter 1 .*state\['step'\] is on the meta device, which holds no data"),
+    ("loaded with map_location='meta'", lambda sd: sd.update(_loaded_on_meta(sd)),
+     r"parameter 0 of shape \(64, 128\): state\['step'\] is on the meta device, .*load it with a map_location "
+     r"that holds data, such as 'cpu'"),
+    ("another library's state", lambda sd: _state_with(sd, 0, "exp_avg", _OtherLibrarysState((64, 128))),
+     r"parameter 0 of shape \(64, 128\): state\['exp_avg'\] is a " + re.escape(_OTHER) + r", a tensor subclass this "
+     r"library does not know .*converting optimizer state from other libraries is not supported yet"),
+    ("another library's step", lambda sd: _state_with(sd, 1, "step", _OtherLibrarysState(())),
+     r"parameter 1 .*state\['step'\] is a " + re.escape(_OTHER)),
     ("state not a tensor", lambda sd: _state_with(sd, 2, "exp_avg", [0.0] * 64), r"must be a tensor, got list"),
     ("NaN step", lambda sd: _state_with(sd, 1, "step", torch.tensor(float("nan"))),
      r"parameter 1 .*state\['step'\] must be a finite count >= 0, got nan"),
@@ -196,6 +232,25 @@ class TestCorruptCheckpoints(expecttest.TestCase):
         opt.step()
         self.assertTrue(all(torch.isfinite(p).all() for p in params))
 
+    def test_a_parameter_listed_twice_in_a_group_is_refused(self):
+        """torch.optim warns and steps such a parameter twice; the fused step would update it from two threads
+        at once (results that differed from run to run): refused, naming where it is listed, and, for
+        add_param_group, not added."""
+        params, opt = make()
+        before = snapshot(opt)
+        extra = torch.nn.Parameter(torch.randn(4, 5))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the error alone, without torch.optim's warning before it
+            with self.assertRaisesRegex(ValueError, re.escape("param group 1: the parameter of shape (4, 5) is listed "
+                                                              "2 times, at positions [0, 2]")):
+                opt.add_param_group({"params": [extra, torch.nn.Parameter(torch.randn(3)), extra]})
+            assert_unchanged(self, opt, before, "add_param_group")
+            with self.assertRaisesRegex(ValueError, re.escape("param group 0: the parameter ('w') of shape (4, 5) "
+                                                              "is listed 3 times, at positions [1, 2, 3]")):
+                AdamW8bit([("v", params[0]), ("w", extra), ("x", extra), ("y", extra)], compile=False)
+            with self.assertRaisesRegex(ValueError, re.escape("(64, 128) is listed 2 times, at positions [0, 1]")):
+                AdamW8bit([params[0], params[0]])
+
     def test_numpy_scalars_and_tensors_are_accepted(self):
         """Where torch.optim takes a numpy scalar or a one-element tensor, so do we (constructor, group,
         checkpoint), and the step uses its value."""
@@ -281,11 +336,20 @@ class TestReplacedParameterData(expecttest.TestCase):
                 assert_same_tensor(self, x, y, "an old storage")
 
     def test_data_of_another_shape_is_refused(self):
-        params, opt = make(steps=1, fused=None)
-        params[0].data = torch.zeros(32, 128)
-        params[0].grad = torch.zeros(32, 128)
-        with self.assertRaisesRegex(RuntimeError, r"shape \(32, 128\) has a state 'exp_avg' of shape \(64, 128\)"):
-            opt.step()
+        # by both executors, with one message naming the parameter, before anything changes (step counts included)
+        for fused in (None, False):
+            params, opt = make(steps=1, fused=fused)
+            params[1].data = torch.zeros(32, 128)
+            for p in params:
+                p.grad = torch.zeros(p.shape)
+            before = snapshot(opt)
+            data = [p.detach().clone() for p in params]
+            with self.assertRaisesRegex(RuntimeError, re.escape("parameter 1 has shape (32, 128) and a state 'exp_avg' "
+                                                                "of shape (4097,): its data was replaced")):
+                opt.step()
+            assert_unchanged(self, opt, before, f"fused={fused}")
+            for p, x in zip(params, data):
+                assert_same_tensor(self, p.detach(), x, f"fused={fused}")
 
 
 class TestSharedMemory(expecttest.TestCase):

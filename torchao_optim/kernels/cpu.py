@@ -5,7 +5,8 @@ pointer table, coefficient rows and encoder tables, and knows no format. It is c
 the C compiler ``torch.compile`` itself needs on the CPU (``$CC``, else ``cc``, ``gcc`` or ``clang``), for the
 machine it runs on (``-march=native``), and cached under ``$TORCHAO_OPTIM_CACHE_DIR`` (default
 ``~/.cache/torchao_optim``), keyed by the source, the compiler and the CPU, so a cluster sharing a home
-directory builds once per kind of CPU. A first build takes about a second; nothing is built at install.
+directory builds once per kind of CPU. A first build takes about a second; nothing is built at install. Only
+built libraries are cached: a failed build is tried again by the next process.
 
 Where no compiler works, :func:`cpu_kernels` returns None (with one warning saying why) and the optimizers use
 the compiled path, as they do for everything this file does not cover.
@@ -70,7 +71,12 @@ def _cache_dir() -> Path:
 
 
 def _build(compiler: str) -> Path:
-    """The shared library for this machine, compiled if the cache does not hold it yet."""
+    """The shared library for this machine, compiled if the cache does not hold it yet.
+
+    Only a built library is cached on disk; a failure is remembered for this process only (:func:`cpu_kernels`
+    is cached, so it is never retried there). A failure may pass (a build killed midway, a full disk, a compiler
+    repaired or replaced), and a marker on disk would keep every later process from trying a healthy compiler
+    again; a flag set the compiler refuses for good costs a later process one failed run, which fails at once."""
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     errors = []
@@ -78,24 +84,23 @@ def _build(compiler: str) -> Path:
         digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(),
                                             _cpu_signature().encode()])).hexdigest()[:16]
         target = _cache_dir() / f"cpu_step_{digest}.so"
-        failed = target.with_suffix(".failed")  # this compiler refused these flags before: not tried again
         if target.exists():
             return target
-        if failed.exists():
-            errors.append(failed.read_text())
-            continue
         target.parent.mkdir(parents=True, exist_ok=True)
-        # built under a temporary name and renamed: processes building at once never load a partial file
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        # built under a temporary name and renamed: a build killed midway, or one running in another process,
+        # never leaves a partial file under the name that is loaded
+        fd, tmp = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".tmp", dir=target.parent)
         os.close(fd)
-        run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                             text=True)
-        if run.returncode == 0:
-            os.replace(tmp, target)
-            return target
-        os.unlink(tmp)
-        errors.append(run.stderr.strip()[-500:])
-        failed.write_text(errors[-1])
+        try:
+            run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
+                                 text=True)
+            if run.returncode == 0:
+                os.replace(tmp, target)
+                return target
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        errors.append(run.stderr.strip()[-500:] or f"exit status {run.returncode}")
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
 
 

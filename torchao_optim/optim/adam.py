@@ -184,9 +184,9 @@ class Adam(LowBitOptimizer):
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         """One parameter on the compiled path, with its row of :func:`adam_coefficients`."""
-        p, grad, states = flat_aliases(p, p.grad, [state.get(k) for k in self.STATE_KEYS])
-        self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
-                     amsgrad=group["amsgrad"], maximize=group["maximize"], round_key=round_key)
+        with flat_aliases(p, p.grad, [state.get(k) for k in self.STATE_KEYS]) as (p, grad, states):
+            self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
+                         amsgrad=group["amsgrad"], maximize=group["maximize"], round_key=round_key)
 
 
 class AdamW(Adam):

@@ -9,18 +9,20 @@ executors read) and updates one parameter on the compiled path; everything else 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import operator
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from torchao_optim.kernels.cpu import cpu_kernels_available
-from torchao_optim.optim.checkpoint import checked_moment, checked_state, checked_step
+from torchao_optim.optim.checkpoint import check_usable, checked_moment, checked_state, checked_step
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.fused import _GRAD, FusedRule, fused_available, plan_group
+from torchao_optim.optim.fused import _GRAD, FusedRule, check_state_shapes, fused_available, plan_group
 from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
@@ -77,6 +79,20 @@ def as_float(group, key: str) -> None:
 def check_bool(group, key: str) -> None:
     if not isinstance(group[key], bool):
         raise ValueError(f"Invalid {key}: {group[key]!r} (True or False)")
+
+
+def check_unique(group) -> None:
+    """ValueError naming a parameter that ``group`` lists more than once (its positions, name and shape): it would
+    be stepped twice per step, and on the fused path by two threads at once, racing on its state."""
+    first: Dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        if first.setdefault(id(p), i) != i:
+            positions = [j for j, q in enumerate(group["params"]) if q is p]
+            names = group.get("param_names")
+            name = f" ({names[positions[0]]!r})" if names and len(names) > positions[0] else ""
+            raise ValueError(f"the parameter{name} of shape {tuple(p.shape)} is listed {len(positions)} times, at "
+                             f"positions {positions}, so each step would update it {len(positions)} times: list "
+                             f"each parameter once")
 
 
 def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) -> None:
@@ -144,25 +160,36 @@ def step_shape(p: Tensor, states) -> tuple:
     return (p.numel(),)
 
 
-def flat_aliases(p: Tensor, grad: Tensor, states: Sequence[Optional[Tensor]]):
-    """``(p, grad, states)`` as the compiled update takes them: contiguous ones aliased to :func:`step_shape`,
-    so that every parameter, whatever its shape, reuses one compiled graph (a non-contiguous parameter keeps
-    its shape, and gets a graph of its own). DTensors (FSDP2) are replaced by their local shards: the update is
-    elementwise, and every rank holds whole blocks."""
-    p, grad, states = local(p), local(grad), [local(s) for s in states]
-    if not p.is_contiguous():
-        return p, grad, list(states)
-    shape = step_shape(p, states)
+@contextlib.contextmanager
+def flat_aliases(p: Optional[Tensor], grad: Tensor, states: Sequence[Optional[Tensor]]):
+    """Within: ``(p, grad, states)`` as the compiled update takes them, contiguous and aliased to
+    :func:`step_shape`, so that every parameter, whatever its shape, reuses one compiled graph. DTensors (FSDP2)
+    are replaced by their local shards: the update is elementwise, and every rank holds whole blocks.
+
+    A quantized state holds its elements in the parameter's logical (row-major) order, whatever the strides.
+    A tensor that is not contiguous (a transposed weight, a channels_last conv weight, its gradient) is handed
+    over as a contiguous copy in that order, and, where the update writes it, copied back on leaving. Tensors
+    of several layouts in one update are what inductor miscompiles: it iterates the parameter's layout and the
+    states' flat blocks in loops of their own, and drops a short last block's codes. ``p`` None: a rule that
+    does not write the parameter (Muon's momentum)."""
+    written = [None if p is None else local(p)] + [local(s) for s in states]
+    work = [t if t is None or t.is_contiguous() else t.contiguous() for t in written]
+    grad = local(grad)
     grad = grad if grad.is_contiguous() else grad.contiguous()
-    out = [alias(p, shape), alias(grad, shape)] + [None if s is None else alias(s, shape) for s in states]
+    shape = step_shape(grad, work[1:])
+    olds = work[:1] + [grad] + work[1:]
+    out = [None if t is None else alias(t, shape) for t in olds]
     if len(shape) == 2:
         # (n_blocks, block_size): the block size is the format's, a constant of the graph, not a size for
         # dynamo to reason about (with it symbolic, tracing spends a third of its time on symbolic arithmetic
         # and guards). Only on the aliases made here: a caller's own tensor is never marked.
-        for new, old in zip(out, [p, grad] + list(states)):
+        for new, old in zip(out, olds):
             if new is not None and new is not old:
                 torch._dynamo.mark_static(new, 1)
-    return out[0], out[1], out[2:]
+    yield out[0], out[1], out[2:]
+    for original, contiguous in zip(written, work):
+        if contiguous is not original:
+            original.copy_(contiguous)
 
 
 class LowBitOptimizer(torch.optim.Optimizer):
@@ -240,7 +267,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # ---- parameter groups ---------------------------------------------------------------------------
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """As ``torch.optim``'s; a group that fails the checks raises and is not added."""
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():
+            # refused below with the parameter named; torch.optim's warning for it would only come first
+            warnings.filterwarnings("ignore", message="optimizer contains a parameter group with duplicate")
+            super().add_param_group(param_group)
         try:
             self._check_group(self.param_groups[-1])
         except Exception:
@@ -256,6 +286,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         where = f"param group {len(self.param_groups) - 1 if index is None else index}"
         try:
             self._check_hyperparams(group)
+            check_unique(group)
             check_bool(group, "bf16_stochastic_round")
             check_storage(group["block_size"], group["min_quant_size"])
             if group["state_format"] != "none":
@@ -399,13 +430,16 @@ class LowBitOptimizer(torch.optim.Optimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         elif not (type(step) is Tensor and step.dtype == torch.float32 and step.dim() == 0
                   and step.device == p.device):
+            check_usable(step, f"{self._where(p)}: state['step']")
             state["step"] = checked_step(p, step, self._where(p))
         for key in self._state_keys(group, p):
             value = state.get(key)
             if value is None:
                 state[key] = self._new_state_tensor(p, group, signed=self._signed(key))
             elif not self._is_own_moment(p, group, key, value):
-                state[key] = checked_moment(self, p, group, key, value, f"{self._where(p)}: state[{key!r}]")
+                where = f"{self._where(p)}: state[{key!r}]"
+                check_usable(value, where)
+                state[key] = checked_moment(self, p, group, key, value, where)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load ours or the matching ``torch.optim`` optimizer's state_dict.
@@ -831,6 +865,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The per-parameter compiled path: every format, every device. The step counts are advanced and the
         coefficients computed for all of them at once, per device (a handful of small kernels, not a handful
         per parameter)."""
+        check_state_shapes(params, states, self.STATE_KEYS, self._rounding)
         by_device: Dict[torch.device, List[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)

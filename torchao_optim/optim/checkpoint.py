@@ -6,8 +6,9 @@ touching the optimizer. Anything inconsistent raises one ``ValueError`` that nam
 index over all groups, and its name where the checkpoint has ``param_names``), the key, what was expected
 and what was found: a missing key, a state of another shape, a dtype that is not floating, a quantized
 state whose fields do not fit its shape (truncated codes, an absmax of the wrong length, a NaN absmax),
-non-finite or (for ``exp_avg_sq``) negative values. Loading such a checkpoint would otherwise train on
-garbage or fail deep inside a compiled step.
+non-finite or (for ``exp_avg_sq``) negative values, a state on the meta device, another library's tensor
+subclass (converting other libraries' states is not supported yet). Loading such a checkpoint would otherwise
+train on garbage or fail deep inside a compiled step, or inside the other library's code.
 
 A DTensor parameter's state (FSDP2) is a DTensor with the parameter's mesh and placements: its local tensor
 is checked and converted as above, on each rank; a whole tensor of the global shape is also accepted, and
@@ -29,7 +30,7 @@ from torch import Tensor
 from torchao_optim.optim.sharded import is_dtensor, like_param, local, local_part
 from torchao_optim.state import QuantizedState
 
-__all__ = ["checked_state", "checked_step", "checked_moment"]
+__all__ = ["checked_state", "checked_step", "checked_moment", "check_usable"]
 
 # What the optimizer declares: ``STATE_KEYS`` (every state it may hold besides "step"), ``UNSIGNED_STATE_KEYS``,
 # ``REQUIRED_GROUP_KEYS`` (what a group of its state_dict must hold; any other key of the optimizer's groups
@@ -115,6 +116,8 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
     if unknown:
         raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
                          f"{['step', *keys]}")
+    for key, value in entry.items():
+        check_usable(value, f"{where}: state[{key!r}]")
     out = {"step": checked_step(p, entry["step"], where)}
     for key in keys:
         if key in entry:
@@ -122,9 +125,35 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
     return out
 
 
+def check_usable(value: Any, where: str) -> None:
+    """ValueError for a state no check or conversion may run an op on: another library's tensor subclass, or a
+    tensor on the meta device."""
+    _refuse_foreign(value, where)
+    if isinstance(value, Tensor) and value.device.type == "meta":
+        raise ValueError(f"{where} is on the meta device, which holds no data (a checkpoint loaded with "
+                         f"torch.load(..., map_location='meta')?): load it with a map_location that holds data, "
+                         f"such as 'cpu'")
+
+
+def _refuse_foreign(value: Any, where: str) -> None:
+    """ValueError for a tensor subclass of another library (torchao's 8-bit state, say), or a DTensor over one:
+    the checks below run ops on every state, which such a subclass implements in its own way or not at all."""
+    inner = value
+    if is_dtensor(value):
+        with torch.no_grad():  # the local tensor itself: to_local() with grad enabled runs an op on it
+            inner = value.to_local()
+    known = (Tensor, torch.nn.Parameter)
+    if not isinstance(inner, Tensor) or type(inner) in known or isinstance(inner, QuantizedState):
+        return
+    cls = type(inner)
+    raise ValueError(f"{where} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass this library does not "
+                     f"know (another library's state?): converting optimizer state from other libraries is not "
+                     f"supported yet; load a state_dict whose states are plain tensors, dequantized by that library")
+
+
 def checked_step(p: Tensor, step: Any, where: str) -> Tensor:
     if isinstance(step, Tensor):
-        if step.numel() != 1 or step.is_complex() or step.device.type == "meta" or isinstance(step, QuantizedState):
+        if step.numel() != 1 or step.is_complex() or isinstance(step, QuantizedState):
             raise ValueError(f"{where}: state['step'] must be a number or a one-element real tensor, got "
                              f"{type(step).__name__} of shape {tuple(step.shape)} and dtype {step.dtype}")
         value = float(step.detach().reshape(()).cpu())

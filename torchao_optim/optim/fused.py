@@ -33,7 +33,7 @@ from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.quant import bucket_tables
 from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
 
-__all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
+__all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group", "check_state_shapes"]
 
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
@@ -477,6 +477,19 @@ def _addresses(params: List[Tensor]) -> tuple:
         return tuple(local(p).data_ptr() for p in params)
 
 
+def check_state_shapes(params: List[Tensor], states: List[dict], keys, rounding=None) -> None:
+    """RuntimeError naming the first of ``params`` whose ``keys`` states (those it has) are not of its shape: its
+    data was replaced (``p.data = ...``) after they were created. Run before a step changes anything, by both
+    executors. ``rounding``: the optimizer's ``_rounding``, whose rows start with each parameter's position."""
+    for p, s in zip(params, states):
+        for k in keys:
+            if k in s and local(s[k]).shape != local(p).shape:
+                where = f"parameter {rounding([p])[0][0]}" if rounding is not None else "a parameter"
+                raise RuntimeError(f"{where} has shape {tuple(local(p).shape)} and a state {k!r} of shape "
+                                   f"{tuple(local(s[k]).shape)}: its data was replaced by a tensor of another shape "
+                                   f"after its state was created")
+
+
 def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Optional[FusedRule],
                interpreter: bool = False, rounding=None) -> Tuple[List[GroupPlan], List[int]]:
     """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
@@ -494,12 +507,7 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
     if cache.get("key") == key and cache.get("addresses") == addresses and cache["states"].same_values(states):
         cache["params"] = params
         return cache["plans"], cache["rest"]
-    for p, s in zip(params, states):
-        for k in rule.state_keys if rule is not None else ():
-            if k in s and local(s[k]).shape != local(p).shape:
-                raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a state {k!r} of shape "
-                                   f"{tuple(local(s[k]).shape)}: its data was replaced by a tensor of another "
-                                   f"shape after its state was created")
+    check_state_shapes(params, states, rule.state_keys if rule is not None else (), rounding)
     buckets: Dict[tuple, List[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):

@@ -82,5 +82,5 @@ class Lion8bit(LowBitOptimizer):
         return dict(maximize=group["maximize"])
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
-        p, grad, (m,) = flat_aliases(p, p.grad, [state["exp_avg"]])
-        self._update(p, grad, m, coefs, maximize=group["maximize"], round_key=round_key)
+        with flat_aliases(p, p.grad, [state["exp_avg"]]) as (p, grad, (m,)):
+            self._update(p, grad, m, coefs, maximize=group["maximize"], round_key=round_key)

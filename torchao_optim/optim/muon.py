@@ -207,17 +207,18 @@ class Muon8bit(LowBitOptimizer):
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         if not self._uses_muon(group, p):
-            param, grad, states = flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]])
-            self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True, amsgrad=False,
-                              maximize=group["maximize"], round_key=round_key)
+            with flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]]) as (param, grad, states):
+                self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True,
+                                  amsgrad=False, maximize=group["maximize"], round_key=round_key)
             return
         if is_dtensor(p):
             raise NotImplementedError(
                 f"Muon8bit: the parameter of shape {tuple(p.shape)} is sharded ({p.placements}); orthogonalizing "
                 f"its update needs the whole matrix, which a sharded step does not gather. Give it to the AdamW "
                 f"fallback (use_muon=False in its param group) or keep it unsharded")
-        _, grad, (buf,) = flat_aliases(p, p.grad, [state["momentum_buffer"]])
-        direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"], maximize=group["maximize"])
+        with flat_aliases(None, p.grad, [state["momentum_buffer"]]) as (_, grad, (buf,)):
+            direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"],
+                                         maximize=group["maximize"])
         ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
         x = p.to(torch.promote_types(p.dtype, torch.float32))
         new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)

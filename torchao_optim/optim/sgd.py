@@ -89,6 +89,6 @@ class SGD8bit(LowBitOptimizer):
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         buf = state.get("momentum_buffer") if group["momentum"] != 0 else None
-        p, grad, (buf,) = flat_aliases(p, p.grad, [buf])
-        self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"],
-                     round_key=round_key)
+        with flat_aliases(p, p.grad, [buf]) as (p, grad, (buf,)):
+            self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"],
+                         round_key=round_key)

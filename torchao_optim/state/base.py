@@ -401,20 +401,33 @@ def _view(func, args, kwargs):
     return self._new(self.fields(), shape=infer_size(size, self.numel()))
 
 
+def _slice_bound(index: Optional[int], default: int, size: int) -> int:
+    """A slice bound as torch clamps it: None is ``default``, a negative one counts from the end, and the result
+    lies in [0, size]."""
+    if index is None:
+        return default
+    return min(max(index + size if index < 0 else index, 0), size)
+
+
 @implements([aten.slice.Tensor])
 def _slice(func, args, kwargs):
     # row shards of state (FSDP2 chunks dim 0): only on block boundaries, so every block stays whole
     self = args[0]
     dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
     dim = dim % max(self.dim(), 1)
+    if step < 1:
+        raise ValueError(f"{type(self).__name__}: slice step must be positive, got {step}")
     rows = self.shape[0] if self.dim() else 1
-    start = 0 if start is None else (start + rows if start < 0 else min(start, rows))
-    end = rows if end is None else (end + rows if end < 0 else min(end, rows))
-    if dim != 0 or step != 1:
+    start = _slice_bound(start, 0, rows)
+    length = -(-max(_slice_bound(end, rows, rows) - start, 0) // step)  # the rows torch's slice selects
+    if dim != 0 or (step != 1 and length > 1):
         raise NotImplementedError(f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, "
                                   f"got dim={dim}, step={step}")
+    end = start + length
     row = self.numel() // max(rows, 1)
     first, last, bs = start * row, end * row, self.block_size
+    if first == last:  # empty: no element, no block, wherever it starts
+        first = last = 0
     if first % bs or (last % bs and last != self.numel()):
         raise ValueError(f"{type(self).__name__}: rows [{start}:{end}] cover elements [{first}:{last}], which do "
                          f"not start and end on a block boundary (block_size={bs})")

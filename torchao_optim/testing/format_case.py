@@ -262,6 +262,23 @@ class StateFormatTestCase(expecttest.TestCase):
         with self.assertRaisesRegex(NotImplementedError, "dim 0"):
             q[:, :256]
 
+    def test_slice_bounds_are_clamped_as_torch_clamps_them(self):
+        # negative bounds count from the end and stop at the start, bounds past either end are clamped, an end
+        # before the start is empty (wherever it lies), and a step that selects at most one row is that row
+        q = self.quantize(self.sample(512))
+        rows = self.quantize(self.sample(4, 256))
+        bounds = (None, -1000, -768, -512, -256, 0, 256, 512, 768, 1000)
+        cases = [(q, slice(a, b)) for a in bounds for b in bounds]
+        cases += [(q, slice(300, 300)), (q, slice(300, 100)), (q, slice(-100, 5)),
+                  (rows, slice(1, 3, 7)), (rows, slice(-7, 2)), (rows, slice(3, -9))]
+        for t, index in cases:
+            got, want = t[index], t.dequantize()[index]
+            self.assertIs(type(got), self.fmt, index)
+            self.assertEqual(got.shape, want.shape, index)
+            self.assertTrue(torch.equal(got.dequantize(), want), index)
+        with self.assertRaisesRegex(NotImplementedError, "step=2"):
+            rows[::2]
+
     def test_equal(self):
         q = self.quantize(self.sample(4096))
         self.assertTrue(torch.equal(q, q.clone()))
