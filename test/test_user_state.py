@@ -380,3 +380,12 @@ def test_events_keep_the_optimizer_its_state(executor, format_name):
     machine = type(f"Events_{executor}_{format_name}", (OptimizerEvents,),
                    {"executor": executor, "format_name": format_name})
     run_state_machine_as_test(machine, settings=STATEFUL_SETTINGS)
+
+
+def test_a_state_on_the_meta_device_put_in_is_refused_by_name():
+    p, _, opt, _ = _pair()
+    _step([(p, opt)], _grads(p.shape, 1))
+    opt.state[p]["exp_avg"] = torch.zeros(p.shape, device="meta")
+    p.grad = torch.randn_like(p)
+    with pytest.raises(ValueError, match=r"parameter 0 of shape \(64, 128\): state\['exp_avg'\] is on the meta device"):
+        opt.step()
