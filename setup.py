@@ -13,7 +13,10 @@ setup(
     install_requires=["torch>=2.11"],
     extras_require={
         # triton (and numpy, its interpreter's arrays): the fused kernels also run on the CPU, so the tests cover them
-        "test": ["pytest", "expecttest", "hypothesis", "numpy", "tqdm", "triton"],
+        # and the training frameworks test/integrations/ runs our optimizers under (the versions tested there);
+        # torchtune and torchtitan are left out: docs/integrations.md says why
+        "test": ["pytest", "expecttest", "hypothesis", "numpy", "tqdm", "triton",
+                 "transformers>=5.24", "accelerate>=1.16", "lightning>=2.6", "peft>=0.21"],
         "bench": ["tqdm", "matplotlib"],
         "finetune": ["timm", "datasets", "tqdm", "matplotlib"],
     },
