@@ -7,6 +7,7 @@ without them.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 
@@ -81,8 +82,9 @@ STEPS = 3
 
 
 def test_torchtitan_optimizers_container(tmp_path):
-    """torchtitan builds optimizers by name in ``OptimizersContainer``; a subclass maps a name to our class. Its
-    checkpoints go through torch.distributed.checkpoint with FQN-keyed state, and resume as exactly as torch's."""
+    """torchtitan builds optimizers by name in ``OptimizersContainer``; a subclass maps a name to our class, and its
+    own ``Config`` makes torchtitan's trainer build it (``config.optimizer.build(model_parts=...)``). Checkpoints
+    go through torch.distributed.checkpoint with FQN-keyed state, and resume as exactly as torch's."""
     titan = pytest.importorskip("torchtitan.components.optimizer", reason="torchtitan is not installed",
                                 exc_type=ImportError)
     if not hasattr(titan, "ParamGroupConfig"):
@@ -90,6 +92,10 @@ def test_torchtitan_optimizers_container(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     class Optimizers(titan.OptimizersContainer):
+        @dataclasses.dataclass(kw_only=True, slots=True)
+        class Config(titan.OptimizersContainer.Config):
+            pass
+
         @staticmethod
         def _resolve_optimizer_factory(name):
             if name == "AdamW8bit":
@@ -102,8 +108,9 @@ def test_torchtitan_optimizers_container(tmp_path):
                                          optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.0}),
                   titan.ParamGroupConfig(pattern=r".*", optimizer_name=name,
                                          optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})]
-        return model, Optimizers(Optimizers.Config(param_groups=groups, implementation="for-loop"),
-                                 model_parts=[model])
+        optimizers = Optimizers.Config(param_groups=groups).build(model_parts=[model])
+        assert type(optimizers) is Optimizers
+        return model, optimizers
 
     def train(model, optimizers, first_step):
         for step in range(first_step, first_step + STEPS):
