@@ -1,5 +1,5 @@
 """PyTorch Lightning with our optimizer: returned by ``configure_optimizers`` with a per-step scheduler, under
-gradient accumulation, gradient clipping and bf16 autocast, and resumed with ``fit(ckpt_path=...)`` as exactly as
+gradient accumulation, gradient clipping, bf16 autocast and bf16 parameters, and resumed with ``fit(ckpt_path=...)`` as exactly as
 torch.optim.AdamW is."""
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ ACCUMULATE = 2
 
 
 class Regression(L.LightningModule):
-    def __init__(self, optimizer_cls):
+    def __init__(self, optimizer_cls, **optimizer_kwargs):
         super().__init__()
         self.net = mlp()
-        self.optimizer_cls = optimizer_cls
+        self.optimizer_cls, self.optimizer_kwargs = optimizer_cls, optimizer_kwargs
 
     def training_step(self, batch, batch_idx):
         # the data is a function of the micro-batch's index, which Lightning restores on resume: a resumed run sees
@@ -34,7 +34,7 @@ class Regression(L.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        opt = self.optimizer_cls(self.parameters(), lr=1e-2, weight_decay=0.01)
+        opt = self.optimizer_cls(self.parameters(), lr=1e-2, weight_decay=0.01, **self.optimizer_kwargs)
         scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
@@ -57,26 +57,30 @@ def fit(module, root, precision, ckpt_path=None, callbacks=()):
     return trainer
 
 
-def resume_difference(cls, root, precision):
+def resume_difference(cls, root, precision, **optimizer_kwargs):
     """Max abs difference between a run resumed from its checkpoint after STEPS optimizer steps and the run
     uninterrupted; and the checkpoint's path."""
-    uninterrupted = Regression(cls)
+    uninterrupted = Regression(cls, **optimizer_kwargs)
     checkpoints = ModelCheckpoint(dirpath=str(root), every_n_train_steps=STEPS, save_top_k=-1)
     fit(uninterrupted, root / "full", precision, callbacks=[checkpoints])
     checkpoint = os.path.join(root, f"epoch=0-step={STEPS}.ckpt")
-    resumed = Regression(cls)
+    resumed = Regression(cls, **optimizer_kwargs)
     trainer = fit(resumed, root / "resumed", precision, ckpt_path=checkpoint)
     assert trainer.precision == precision
     opt = trainer.optimizers[0]
     assert type(opt) is cls
     assert opt.state[resumed.net[0].weight]["step"].item() == 2 * STEPS  # once per accumulation window
+    assert resumed.net[0].weight.dtype == (torch.bfloat16 if precision == "bf16-true" else torch.float32)
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 2 * STEPS
     return max_abs_diff(snapshot(resumed), snapshot(uninterrupted)), checkpoint
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true"])
 def test_configure_optimizers_fit_and_resume(tmp_path, precision):
-    ours, checkpoint = resume_difference(torchao_optim.AdamW8bit, tmp_path / "ours", precision)
+    # bf16 parameters ("bf16-true") are written back with stochastic rounding, whose random bits are a function of
+    # the step: a resumed run rounds as the uninterrupted one
+    options = {"bf16_stochastic_round": True} if precision == "bf16-true" else {}
+    ours, checkpoint = resume_difference(torchao_optim.AdamW8bit, tmp_path / "ours", precision, **options)
     torchs, _ = resume_difference(torch.optim.AdamW, tmp_path / "torch", precision)
     assert_resumes_as_closely_as_torch(ours, torchs)
 
