@@ -11,7 +11,9 @@ import torch
 pytest.importorskip("accelerate")
 
 from accelerate import Accelerator  # noqa: E402
-from tiny_training import assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot  # noqa: E402
+from tiny_training import (  # noqa: E402
+    assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot,
+)
 
 import torchao_optim  # noqa: E402
 from torchao_optim import DTQ8bitTensor  # noqa: E402

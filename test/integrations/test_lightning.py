@@ -1,6 +1,6 @@
 """PyTorch Lightning with our optimizer: returned by ``configure_optimizers`` with a per-step scheduler, under
-gradient accumulation, gradient clipping, bf16 autocast and bf16 parameters, and resumed with ``fit(ckpt_path=...)`` as exactly as
-torch.optim.AdamW is."""
+gradient accumulation, gradient clipping, bf16 autocast and bf16 parameters, and resumed with
+``fit(ckpt_path=...)`` as exactly as torch.optim.AdamW is."""
 from __future__ import annotations
 
 import os
@@ -12,7 +12,9 @@ import torch
 L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from tiny_training import assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot  # noqa: E402
+from tiny_training import (  # noqa: E402
+    assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot,
+)
 
 import torchao_optim  # noqa: E402
 from torchao_optim import DTQ8bitTensor  # noqa: E402
