@@ -54,7 +54,7 @@ static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return 
 static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
 static inline int is_finite(float x) { return fabsf(x) < INFINITY; } /* NaN is not < inf */
 
-static inline uint32_t mix32(uint32_t x) { /* optim/rounding.py's hash, in uint32 */
+static inline uint32_t mix32(uint32_t x) { /* quant/rounding.py's hash, in uint32 */
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
@@ -83,7 +83,7 @@ NOINLINE static void load_floats(float *restrict dst, const void *base, int64_t 
 NOINLINE static void store_param(const float *restrict p, void *base, int64_t start, int n, int dtype, int sr,
                                  uint32_t key, int64_t offset) {
     if (dtype == BF16 && sr) {
-        /* optim/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
+        /* quant/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
         uint16_t *restrict d = (uint16_t *)base + start;
         uint32_t first = (uint32_t)(offset + start);
         for (int i = 0; i < n; i++) {
@@ -391,7 +391,7 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     if (!direct_p) {
         uint32_t key = 0;
         int64_t offset = 0;
-        if (job->sr) { /* optim/rounding.py's rounding_key(position, step) */
+        if (job->sr) { /* quant/rounding.py's rounding_key(position, step) */
             key = mix32(mix32((uint32_t)job->round_info[2 * t]) ^ (uint32_t)(int64_t)job->steps[t]);
             offset = job->round_info[2 * t + 1];
         }

@@ -25,7 +25,7 @@ from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
 from torchao_optim.optim.replay import Steady, StepGraph
-from torchao_optim.optim.rounding import rounding_key
+from torchao_optim.quant.rounding import rounding_key
 from torchao_optim.optim.snapshot import StateSnapshot, same_objects
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
@@ -600,7 +600,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _rounding(self, params: List[Tensor]) -> List[Tuple[int, int]]:
         """``(position in the optimizer, element offset of the local shard)`` of each of ``params``: what the
-        stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.optim.rounding`)."""
+        stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.quant.rounding`)."""
         if any(id(p) not in self._positions for p in params):
             self._positions = {id(p): i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
         return [(self._positions[id(p)], element_offset(p)) for p in params]

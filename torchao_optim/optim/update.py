@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from torchao_optim.optim.rounding import stochastic_round_bf16
+from torchao_optim.quant.rounding import stochastic_round_bf16
 
 __all__ = [
     "adam_update", "adam_coefficients", "COEFS", "sgd_update", "sgd_coefficients", "SGD_COEFS", "lion_update",
@@ -63,7 +63,7 @@ def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):
 
 def store_param(param: torch.Tensor, value: torch.Tensor, round_key: Optional[torch.Tensor]) -> None:
     """``param.copy_(value)``; a bf16 ``param`` with a ``round_key`` (int64 ``(key, element offset)``, see
-    :mod:`torchao_optim.optim.rounding`) is written with stochastic rounding instead of round-to-nearest."""
+    :mod:`torchao_optim.quant.rounding`) is written with stochastic rounding instead of round-to-nearest."""
     if round_key is not None and param.dtype == torch.bfloat16:
         value = stochastic_round_bf16(value.to(torch.float32), round_key[0], round_key[1])
     param.copy_(value)
