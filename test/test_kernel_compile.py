@@ -50,7 +50,7 @@ import sys
 import triton.language as tl
 from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
-from torchao_optim.optim.fused import flat_shift
+from torchao_optim.kernels.tables import flat_shift
 from torchao_optim.state import get_state_format
 
 dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -249,14 +249,14 @@ def adam_kernel(
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (optim.fused._tables)
+    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (kernels.tables.layout_tables)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
-    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (optim.fused.flat_shift)
+    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (kernels.tables.flat_shift)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,

@@ -82,7 +82,7 @@ def momentum_kernel(
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
     ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
-    S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; optim.fused.flat_shift)
+    S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; kernels.tables.flat_shift)
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -117,7 +117,7 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
                     stochastic_round: bool = False) -> None:
     """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
     rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
-    from torchao_optim.optim.fused import _interpreter
+    from torchao_optim.kernels import triton_interpreter
     from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
 
     plan.steps.add_(1)
@@ -133,7 +133,7 @@ def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nes
         PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
         ALIGNED=plan.aligned and plan.grads_aligned,
         RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
-        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),
+        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not triton_interpreter(),
         S_SIGNED=getattr(layout, "signed", True), S_FLAT=plan.flat[0],
         num_warps=plan.num_warps,
     )

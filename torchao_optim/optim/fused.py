@@ -21,17 +21,16 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from torchao_optim.kernels import triton_interpreter
+from torchao_optim.kernels.tables import flat_shift, layout_tables
 from torchao_optim.optim.sharded import local
 from torchao_optim.optim.snapshot import StateSnapshot, storages
-from torchao_optim.quant import bucket_tables
-from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
 
 __all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
 
@@ -50,12 +49,6 @@ MAXNREG = None  # where set, the register cap of every update kernel instead of 
 # 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
 # 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
 REGISTER_CAPS = {(8, 2): 80, (4, 2): 80, (4, 4): 80}
-# The encoder in one table load (codec.flat_keyed) for a codebook whose exponents need at most this many mantissa
-# bits each (a table of 512 << bits int32); two loads for the others (0: always two). The 4-bit codebooks need 3, the
-# dynamic 8-bit maps 7 (256 KB, of which a step reads the rows of the exponents its values have). Measured on an H200
-# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, runs AS and AT): 4-bit bf16 12% faster
-# (with the byte-pair decode), dtq8 bf16 6% (ViT-B too); fp32 parameters, at their floor already, unchanged.
-FLAT_MAX_BITS = 7
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
@@ -71,10 +64,6 @@ MIN_PROGRAMS: Optional[int] = None
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
 TAIL_TILES: Optional[int] = None
 TAIL_TILES_PER_SM = 32
-
-
-def _interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +84,7 @@ def fused_available(device: Optional[torch.device] = None) -> bool:
     if not _triton_importable():
         return False
     device = torch.device(device)
-    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and _interpreter())
+    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and triton_interpreter())
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
@@ -137,7 +126,7 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     p, grad = local(p), local(p.grad)
     if rule is None or not p.is_contiguous() or not grad.is_contiguous():
         return None
-    if p.device.type == "cpu" and not (interpreter and _interpreter()):
+    if p.device.type == "cpu" and not (interpreter and triton_interpreter()):
         from torchao_optim.kernels.cpu import cpu_dtypes
 
         executor, dtypes = "cpu", cpu_dtypes()  # empty where the step could not be built
@@ -170,69 +159,6 @@ def _address(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
-    """(decode values, level1, level2) of a layout's codebook on ``device``, in the form ``executor``'s kernels
-    read; placeholders for fp32."""
-    if layout == "fp32":
-        placeholder = _placeholder(device)
-        return (placeholder,) * 3
-    return (_decode_table(layout, device, executor),) + encoder_tables(layout.codebook, layout.never_zero, device,
-                                                                       executor, flat_shift(layout, executor))
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_table(layout, device, executor: str) -> Tensor:
-    """The codebook as fp32, padded with zeros to ``2**bits`` values (a kernel may load the whole table at once,
-    the fused CPU step's 4-bit decode does); the padding is never a code's value. The Triton kernels decode
-    4-bit codes a byte at a time: the values of both nibbles of every byte (``codec.nibble_pairs``)."""
-    values = torch.zeros(2**layout.bits, dtype=torch.float32)
-    values[: len(layout.codebook)] = torch.tensor(layout.codebook, dtype=torch.float32)
-    if layout.bits == 4 and executor == "triton":
-        values = nibble_pairs(values)
-    return values.to(device)
-
-
-def flat_shift(layout, executor: str) -> int:
-    """The Triton kernels' ``FLAT`` constexpr for a layout, the form of its encoder (:func:`codebook_flat_shift`); 0
-    for plain fp32 state and the other executors."""
-    if layout == "fp32" or executor != "triton":
-        return 0
-    return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
-
-
-def codebook_flat_shift(codebook, never_zero: bool, max_bits: int, grid: bool = True) -> int:
-    """The form of a codebook's encoder in the Triton kernels (their ``FLAT`` constexpr): ``-k`` for the even grid
-    ``(i + 1) / 2**k`` (``codec.grid_bits``: arithmetic, no table; unless not ``grid``), else the shift of its
-    one-load encoder where it needs at most ``max_bits`` mantissa bits per exponent, else 0 (two loads)."""
-    k = grid_bits(tuple(codebook), bool(never_zero)) if grid else 0
-    if k:
-        return -k
-    one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
-    return 0 if one is None else one[1]
-
-
-@functools.lru_cache(maxsize=None)
-def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
-    """The encoder's tables of a codebook in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits,
-    and level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table
-    of codec.flat_keyed, twice (the Triton kernels read the first); below 0 (an even grid's arithmetic encoder),
-    placeholders."""
-    if shift < 0:
-        placeholder = _placeholder(device)
-        return placeholder, placeholder
-    if shift:
-        table = flat_keyed(codebook, never_zero, 23 - shift)[0].to(device)
-        return table, table
-    t = bucket_tables(codebook, never_zero)
-    level2 = t.level2_keyed() if executor == "triton" else t.level2_with_bounds()
-    return t.level1_by_bits().to(device), level2.to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _placeholder(device) -> Tensor:
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
 class GroupPlan:
     """Device tables for one launch over ``params`` (all with the same :func:`plan_key`). ``pdl=False``: its Adam
     update never starts before the work queued ahead of it has finished (see :data:`PDL`)."""
@@ -252,7 +178,7 @@ class GroupPlan:
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         self.iters = spread_iters(numels, self.tile, _per_sm(MIN_PROGRAMS, 8, device))
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
-        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not _interpreter()
+        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not triton_interpreter()
                     and torch.cuda.get_device_capability(device)[0] >= 9)
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
@@ -285,7 +211,7 @@ class GroupPlan:
         # (step counts, coefficient rows) that this plan's Adam launch advances and computes first: its own, or
         # those of every Adam plan of its group on its device (None: another plan's launch computes them)
         self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
-        self.tables = sum((_tables(layout, device, self.executor) for layout in self.layouts), ())
+        self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
@@ -383,7 +309,7 @@ class GroupPlan:
             self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.prog_tiles,
             self.steps, self.round_info, *self.tables,
             PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
-            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not _interpreter(),
+            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not triton_interpreter(),
             SR=self.rounds(stochastic_round),
             DECOUPLED=decoupled, MAXIMIZE=maximize,
             M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
