@@ -852,7 +852,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _round_keys(self, params, steps, group, device) -> Optional[Tuple[Tensor, ...]]:
         """With ``bf16_stochastic_round`` and a bf16 parameter among ``params``: each parameter's int64
-        ``(key, element offset)`` row for :func:`~torchao_optim.optim.update.store_param`, from its advanced
+        ``(key, element offset)`` row for :func:`~torchao_optim.rules.store_param`, from its advanced
         step count, computed for all at once; padded by one row like the coefficients. Else None."""
         if not group["bf16_stochastic_round"] or not any(p.dtype == torch.bfloat16 for p in params):
             return None

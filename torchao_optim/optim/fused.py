@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import functools
 import operator
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -29,19 +28,22 @@ from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
 from torchao_optim.kernels.tables import flat_shift, layout_tables
+from torchao_optim.optim import launch
 from torchao_optim.optim.sharded import local
 from torchao_optim.optim.snapshot import StateSnapshot, storages
+from torchao_optim.rules import FusedRule
 
-__all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group"]
+__all__ = ["fused_available", "GroupPlan", "plan_group"]
 
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
-# Adam's update kernels start as programmatic dependents of the kernel before them (CUDA, compute capability 9.0
-# and later): their launch and first loads overlap the coefficients kernel, or the previous plan's update.
+# The two-state update kernels (Adam's) start as programmatic dependents of the kernel before them (CUDA, compute
+# capability 9.0 and later): their launch and first loads overlap the coefficients kernel, or the previous plan's
+# update.
 PDL = True
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
-MAXNREG = None  # where set, the register cap of every update kernel instead of REGISTER_CAPS' (0: none)
+MAXNREG = None  # where set, the register cap of every two-state kernel instead of REGISTER_CAPS' (0: none)
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 registers for
 # these) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200 with
 # benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X for 8-bit and run AS for 4-bit): 8-bit
@@ -105,19 +107,6 @@ def _state_layout(state) -> Optional[object]:
     return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
 
 
-@dataclass(frozen=True)
-class FusedRule:
-    """An update rule a fused kernel implements: its name (which kernel, and which coefficient rows it reads)
-    and the state keys it reads and writes, one or two, in the kernel's order."""
-
-    name: str
-    state_keys: Tuple[str, ...]
-    n_coefs: int  # columns of the coefficient rows its kernel reads
-
-
-ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), 7)
-
-
 def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
     implements the group's rule). CPU parameters go to the C kernels of :mod:`torchao_optim.kernels.cpu`, or
@@ -166,8 +155,6 @@ class GroupPlan:
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
                  rounding: Optional[List[Tuple[int, int]]] = None, pdl: bool = True):
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype, self.executor = key
-        if self.rule.name == "adam":
-            self.m_layout, self.v_layout = self.layouts
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
         shards = [local(p) for p in params]
         self.sharded = any(s is not p for s, p in zip(shards, params))
@@ -180,7 +167,8 @@ class GroupPlan:
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
         self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not triton_interpreter()
                     and torch.cuda.get_device_capability(device)[0] >= 9)
-        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
+        # the caps were measured on the two-state kernel; the one-state kernel takes the compiler's choice
+        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if len(self.layouts) == 2 else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         pointed = [[p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
                    for p, s in zip(shards, states)]
@@ -208,8 +196,8 @@ class GroupPlan:
         self.states = states
         self.use_counters(torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states]),
                           torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device))
-        # (step counts, coefficient rows) that this plan's Adam launch advances and computes first: its own, or
-        # those of every Adam plan of its group on its device (None: another plan's launch computes them)
+        # (step counts, coefficient rows) that this plan's launch advances and computes first: its own, or those of
+        # every plan of its group on its device (None: another plan's launch computes them; _share_coefficients)
         self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
         self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
@@ -275,50 +263,15 @@ class GroupPlan:
             self.grads_aligned = all(k % 16 == 0 for k in key)
         return True
 
-    def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False,
-               stochastic_round: bool = False, refresh: bool = True, **flags) -> None:
-        """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
-        ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
-        Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``; one launch for every Adam
-        plan of a group on a device, made by the first plan's, see :func:`plan_group`), then the update. On the
-        CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`. ``refresh=False``: the caller has just
-        called :meth:`refresh_grads`."""
+    def launch(self, hyperparams: Tensor, refresh: bool = True, **flags) -> None:
+        """One step of every parameter of the plan, by its executor's kernel (:func:`torchao_optim.optim.launch.run`:
+        ``hyperparams`` as the rule's coefficients take them, and the optimizer's launch flags).
+        ``refresh=False``: the caller has just called :meth:`refresh_grads`."""
         if refresh and not self.refresh_grads():
             p, g = next((p, g) for p, g in zip(self.params, self._grads()) if not g.is_contiguous())
             raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
                                f"{g.stride()}), which this fused step cannot read; make it contiguous")
-        if self.executor == "cpu":
-            from torchao_optim.kernels.cpu import launch_cpu
-
-            return launch_cpu(self, hyperparams, decoupled=decoupled, maximize=maximize,
-                              stochastic_round=stochastic_round, **flags)
-        if self.rule.name != "adam":
-            from torchao_optim.kernels.triton_momentum import launch_momentum
-
-            return launch_momentum(self, hyperparams, maximize=maximize, stochastic_round=stochastic_round, **flags)
-        from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
-
-        if self.coefs_for is not None:
-            steps, coefs = self.coefs_for
-            n = len(steps)
-            adam_coefs_kernel[(1,)](steps, hyperparams, coefs, n, DECOUPLED=decoupled,
-                                    N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=self.pdl, num_warps=4)
-        if self.n_programs == 0:
-            return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
-        self.compiled = adam_kernel[(self.n_programs,)](
-            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.prog_tiles,
-            self.steps, self.round_info, *self.tables,
-            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
-            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not triton_interpreter(),
-            SR=self.rounds(stochastic_round),
-            DECOUPLED=decoupled, MAXIMIZE=maximize,
-            M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
-            V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
-            M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
-            M_FLAT=self.flat[0], V_FLAT=self.flat[1],
-            PDL=self.pdl, num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
-            **({"launch_pdl": True} if self.pdl else {}),
-        )
+        launch.run(self, hyperparams, **flags)
 
 
 def _programs(numels: Tensor, span: int) -> Tensor:
@@ -364,13 +317,14 @@ def _per_sm(setting: Optional[int], per_sm: int, device: torch.device) -> int:
 
 
 def _share_coefficients(plans: List[GroupPlan]) -> None:
-    """One coefficients launch for every Adam plan of a group on a device (the Triton executor's), made by the
-    first one's launch (the plans of a group are launched together, in order): their step counts and coefficient
-    rows become slices of one buffer each. Each launch is a kernel the next one waits for (about 2 us on an H200,
-    on a step of ViT-B's 0.3 ms with its two plans, quantized states and the plain states of its 1-D tensors)."""
+    """One coefficients launch for every plan of a group on a device whose rule has a Triton coefficients kernel
+    (Adam's; the Triton executor's), made by the first one's launch (the plans of a group are launched together, in
+    order): their step counts and coefficient rows become slices of one buffer each. Each launch is a kernel the next
+    one waits for (about 2 us on an H200, on a step of ViT-B's 0.3 ms with its two plans, quantized states and the
+    plain states of its 1-D tensors)."""
     by_device: Dict[torch.device, List[GroupPlan]] = {}
     for plan in plans:
-        if plan.executor == "triton" and plan.rule.name == "adam":
+        if plan.executor == "triton" and plan.rule.triton_coefficients is not None:
             by_device.setdefault(plan.steps.device, []).append(plan)
     for same in by_device.values():
         if len(same) < 2:
@@ -387,7 +341,7 @@ def _share_coefficients(plans: List[GroupPlan]) -> None:
 
 
 def register_cap(layouts, param_bytes: int) -> Optional[int]:
-    """The register cap of an Adam plan whose states have ``layouts``: :data:`MAXNREG` where set, else
+    """The register cap of a two-state plan (Adam's) whose states have ``layouts``: :data:`MAXNREG` where set, else
     :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
         return MAXNREG or None
