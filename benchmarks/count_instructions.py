@@ -47,7 +47,9 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
     import triton.language as tl
 
     from torchao_optim.kernels.triton_adam import adam_kernel
-    from torchao_optim.optim.fused import MIN_TILE, PREFETCH, flat_shift, register_cap
+    from torchao_optim.rules import ADAM
+    from torchao_optim.kernels.tables import flat_shift
+    from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
     from torchao_optim.state import get_state_format
     from torchao_optim.state.layout import StateLayout
 
@@ -58,7 +60,7 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
                  "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
     constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
                      VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=PREFETCH, ALIGNED=True,
-                     DECOUPLED=True, MAXIMIZE=False, PTX=True, SR=False,
+                     UPDATE=ADAM.triton_update(), OPTION=True, MAXIMIZE=False, PTX=True, SR=False,
                      M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False, PDL=True)
     # the encoders' form as the planner picks it for the built-in format of this code width
     m, v = (get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed).fast_path_layout()
@@ -132,13 +134,13 @@ def main():
                     help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)")
     ap.add_argument("--flat-bits", type=int, default=None,
                     help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa "
-                         "bits per exponent (default: optim.fused.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
+                         "bits per exponent (default: kernels.tables.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
     if args.flat_bits is not None:
-        import torchao_optim.optim.fused as fused
+        import torchao_optim.kernels.tables as tables
 
-        fused.FLAT_MAX_BITS = args.flat_bits
+        tables.FLAT_MAX_BITS = args.flat_bits
     c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg)
     if args.json:
         print(json.dumps(c))

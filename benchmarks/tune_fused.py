@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torchao_optim  # noqa: E402
+import torchao_optim.kernels.tables as tables  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
 from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, step_times, warm_up  # noqa: E402
 from optimizers import state_nbytes  # noqa: E402
@@ -33,9 +34,9 @@ def main():
     ap.add_argument("--tail", default=str(fused.TAIL_TILES_PER_SM),
                     help="tiles per SM at the end of a plan that go one per program (optim.fused.TAIL_TILES_PER_SM)")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch of the update kernels (optim.fused.PDL)")
-    ap.add_argument("--flat-bits", default=str(fused.FLAT_MAX_BITS),
+    ap.add_argument("--flat-bits", default=str(tables.FLAT_MAX_BITS),
                     help="the one-load encoder for codebooks needing at most this many mantissa bits per exponent "
-                         "(optim.fused.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)")
+                         "(kernels.tables.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)")
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -50,7 +51,7 @@ def main():
                for b in map(int, args.flat_bits.split(","))]
     for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits in configs:
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
-        fused.PDL, fused.FLAT_MAX_BITS = bool(pdl), flat_bits
+        fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
         fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
         warm_up(opt.step)  # as benchmark_step.py: the clocks rise under load

@@ -77,7 +77,7 @@ def test_compiled_encoder_equals_search(case):
 def test_kernel_encoder_equals_search(case, flat_max_bits, grid):
     """Also for negative inputs to a codebook without negative values, which the kernels' encoder reads with
     its key's sign part left out. Every form of the encoder: two loads, one (``codec.flat_keyed``, which the
-    fused kernels use where a codebook needs at most ``optim.fused.FLAT_MAX_BITS`` mantissa bits per exponent),
+    fused kernels use where a codebook needs at most ``kernels.tables.FLAT_MAX_BITS`` mantissa bits per exponent),
     and the form the planner picks, which for an even grid (``codec.grid_bits``) reads no table."""
     from torchao_optim.kernels.triton_codec import quantize_nearest_triton
 
@@ -109,7 +109,7 @@ def test_one_load_tables_of_the_built_in_codebooks():
     """The one-load form's table for the built-in codebooks is 512 << m entries, m the most mantissa bits an exponent
     needs: 3 for the 4-bit ones (8 K entries at most), 6 and 7 for the dynamic 8-bit maps (64 K), within the fused
     kernels' limit; a codebook needing more than ``max_bits`` has none."""
-    from torchao_optim.optim.fused import FLAT_MAX_BITS
+    from torchao_optim.kernels.tables import FLAT_MAX_BITS
     from torchao_optim.quant.codec import flat_keyed
 
     for name, most in [("4bit signed", 3), ("4bit unsigned", 3), ("4-bit dynamic map", 3), ("dtq8 signed", 7),

@@ -50,16 +50,17 @@ import sys
 import triton.language as tl
 from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
-from torchao_optim.optim.fused import flat_shift
+from torchao_optim.kernels.tables import flat_shift
+from torchao_optim.rules import LION, SGD
 from torchao_optim.state import get_state_format
 
-dtype, bits, rule = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+dtype, bits, rule = sys.argv[1], int(sys.argv[2]), {"sgd": SGD, "lion": LION}[sys.argv[3]]
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
              "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32",
              "s_level1": "*i32", "s_level2": "*i32"}
 constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
-                 VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, RULE=rule, NESTEROV=False,
+                 VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, UPDATE=rule.triton_update(), OPTION=False,
                  MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True,
                  S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=True)
                                    .fast_path_layout(), "triton"))
@@ -68,12 +69,13 @@ print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 
 
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
-@pytest.mark.parametrize("dtype,bits,rule", [("fp32", 8, 0), ("bf16", 8, 1), ("fp32", 4, 1), ("bf16", 4, 0)])
+@pytest.mark.parametrize("dtype,bits,rule", [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"),
+                                             ("bf16", 4, "sgd")])
 def test_momentum_kernel_compiles_for_sm90(dtype, bits, rule):
     """The one-state kernel (SGD with momentum, Lion), with its inline PTX, compiles too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), str(rule)],
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), rule],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) > 0

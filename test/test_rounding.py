@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.optim.rounding import rounding_key, stochastic_round_bf16
+from torchao_optim.quant.rounding import rounding_key, stochastic_round_bf16
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

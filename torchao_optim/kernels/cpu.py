@@ -1,7 +1,8 @@
 """The fused step on the CPU: ``cpu_step.c``, built on first use and called through ``ctypes``.
 
-The C file is the CPU's twin of the Triton kernels: it reads a :class:`~torchao_optim.optim.fused.GroupPlan`'s
-pointer table, coefficient rows and encoder tables, and knows no format. It is compiled once per machine with
+The C file is the CPU's twin of the Triton kernels: it reads a plan's pointer table, coefficient rows and encoder
+tables (``optim/launch.py`` calls it), knows no format, and runs the rules of its own table, which a rule names
+(``FusedRule.c_name``, looked up by :func:`cpu_rule`). It is compiled once per machine with
 the C compiler ``torch.compile`` itself needs on the CPU (``$CC``, else ``cc``, ``gcc`` or ``clang``), for the
 machine it runs on (``-march=native``), and cached under ``$TORCHAO_OPTIM_CACHE_DIR`` (default
 ``~/.cache/torchao_optim``), keyed by the source, the compiler and the CPU, so a cluster sharing a home
@@ -27,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["cpu_kernels", "cpu_kernels_available", "cpu_dtypes", "launch_cpu", "quantize_nearest_cpu"]
+__all__ = ["cpu_kernels", "cpu_kernels_available", "cpu_dtypes", "cpu_rules", "cpu_rule", "quantize_nearest_cpu"]
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
@@ -40,9 +41,7 @@ NATIVE = ["-march=native"]
 # decode and the encoder are table loads, and measured 1.7x faster with gathers (GCC only: tried first).
 GATHER = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
 CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-RULES = {"adam": 0, "sgd": 1, "lion": 2}
-KINDS = {"fp32": 0, 4: 4, 8: 8}
-MIN_BLOCKS_PER_THREAD = 64  # a thread is worth starting for at least this many blocks (16K elements at 256)
+KINDS = {"fp32": 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c: plain fp32, or codes of 4 or 8 bits
 
 
 def _compiler() -> Optional[str]:
@@ -165,38 +164,47 @@ def cpu_dtypes() -> dict:
     return {d: c for d, c in CPU_DTYPES.items() if d != torch.float16 or lib.torchao_optim_cpu_has_fp16()}
 
 
-def launch_cpu(plan, hyperparams: torch.Tensor, decoupled: bool = False, maximize: bool = False,
-               nesterov: bool = False, stochastic_round: bool = False) -> None:
-    """One step of every parameter of ``plan`` (a CPU :class:`~torchao_optim.optim.fused.GroupPlan`):
-    the step counts advance, the coefficients are computed by the rule's coefficient function (as the compiled
-    path computes them), then one call updates every tensor."""
-    from torchao_optim.optim.update import adam_coefficients, lion_coefficients, sgd_coefficients
+def cpu_rules() -> tuple:
+    """The rules the built step implements, in the order of its table (``cpu_step.c``, ``RULES``): ``(name,
+    number of states, number of coefficients)`` each; empty where the step could not be built."""
+    lib = cpu_kernels()
+    return () if lib is None else _rule_table(lib)
 
-    steps = [s["step"] for s in plan.states]  # each state's own counter (GroupPlan says why)
-    torch._foreach_add_(steps, 1)
-    plan.steps = torch.stack(steps).to(torch.float32)
-    rule = plan.rule.name
-    if rule == "adam":
-        coefs = adam_coefficients(plan.steps, hyperparams, decoupled)
-    else:
-        coefs = (sgd_coefficients if rule == "sgd" else lion_coefficients)(plan.steps, hyperparams)
-    plan.coefs.copy_(coefs)
-    args = []  # per state slot: decode table, level1, level2, kind (an absent second state: NULLs, fp32)
-    for k in range(2):
-        if k < len(plan.layouts):
-            layout = plan.layouts[k]
-            args += [t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]]
-            args.append(KINDS[layout if layout == "fp32" else layout.bits])
-        else:
-            args += [None, None, None, KINDS["fp32"]]
-    status = cpu_kernels().torchao_optim_cpu_step(
-        len(plan.params), plan.ptrs.data_ptr(), plan.grad_ptrs.data_ptr(), plan.numels.data_ptr(),
-        plan.coefs.data_ptr(), plan.steps.data_ptr(), plan.round_info.data_ptr(), *args,
-        len(plan.layouts), plan.rule.n_coefs, plan.block, RULES[rule], CPU_DTYPES[plan.torch_param_dtype],
-        CPU_DTYPES[plan.torch_grad_dtype], decoupled, maximize, nesterov, plan.rounds(stochastic_round),
-        torch.get_num_threads(), MIN_BLOCKS_PER_THREAD * 256 // plan.block)
-    if status != 0:
-        raise RuntimeError(f"the fused CPU step failed (status {status}) for block size {plan.block}")
+
+@functools.lru_cache(maxsize=None)
+def _rule_table(lib: ctypes.CDLL) -> tuple:
+    lib.torchao_optim_cpu_rule_name.restype = ctypes.c_char_p
+    lib.torchao_optim_cpu_rule_name.argtypes = [ctypes.c_int]
+    lib.torchao_optim_cpu_rule_states.argtypes = [ctypes.c_int]
+    lib.torchao_optim_cpu_rule_coefs.argtypes = [ctypes.c_int]
+    return tuple((lib.torchao_optim_cpu_rule_name(i).decode(), lib.torchao_optim_cpu_rule_states(i),
+                  lib.torchao_optim_cpu_rule_coefs(i)) for i in range(lib.torchao_optim_cpu_rule_count()))
+
+
+def cpu_rule(rule) -> int:
+    """The index of ``rule`` (a :class:`~torchao_optim.rules.FusedRule`) in the C step's table of rules, looked up
+    by the name it declares (``c_name``); raises NotImplementedError, naming the rule and what the table lacks,
+    where the step has no such rule or one with other states or coefficients."""
+    return _rule_index(cpu_kernels(), rule)
+
+
+@functools.lru_cache(maxsize=None)
+def _rule_index(lib: Optional[ctypes.CDLL], rule) -> int:
+    table = _rule_table(lib) if lib is not None else ()
+    names = [name for name, _, _ in table]
+    if rule.c_name is None or rule.c_name not in names:
+        what = "declares no C function (FusedRule.c_name)" if rule.c_name is None else (
+            f"names the C function {rule.c_name!r}, which it lacks")
+        raise NotImplementedError(f"the fused CPU step implements the rules {names} ({SOURCE.name}, RULES); rule "
+                                  f"{rule.name!r} {what}: add its update there, or leave its parameters to the "
+                                  f"compiled path (fused=False)")
+    index = names.index(rule.c_name)
+    _, n_states, n_coefs = table[index]
+    if (n_states, n_coefs) != (len(rule.state_keys), rule.n_coefs):
+        raise NotImplementedError(f"rule {rule.name!r} has {len(rule.state_keys)} states and {rule.n_coefs} "
+                                  f"coefficients, but the fused CPU step's {rule.c_name!r} takes {n_states} and "
+                                  f"{n_coefs}")
+    return index
 
 
 def quantize_nearest_cpu(y: torch.Tensor, codebook, never_zero: bool = False, compact: bool = True) -> torch.Tensor:

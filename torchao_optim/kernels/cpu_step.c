@@ -10,7 +10,7 @@
  * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
  * store a converted parameter back; take each state's absmax and encode it. Every pass is a plain loop the
  * compiler vectorizes (the decode and the encoder's table loads become gathers); the encoder's first table
- * comes from vector registers where the codebook allows (AVX-512). The arithmetic is optim/update.py's,
+ * comes from vector registers where the codebook allows (AVX-512). The arithmetic is the rules' (rules/*.py),
  * operation for operation, and the build turns off floating-point contraction, so no multiply-add rounds
  * differently from the compiled path.
  *
@@ -48,13 +48,11 @@ int torchao_optim_cpu_has_fp16(void) {
 #endif
 }
 
-enum { ADAM = 0, SGD = 1, LION = 2 };
-
 static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }
 static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
 static inline int is_finite(float x) { return fabsf(x) < INFINITY; } /* NaN is not < inf */
 
-static inline uint32_t mix32(uint32_t x) { /* optim/rounding.py's hash, in uint32 */
+static inline uint32_t mix32(uint32_t x) { /* quant/rounding.py's hash, in uint32 */
     x ^= x >> 16;
     x *= 0x7FEB352Du;
     x ^= x >> 15;
@@ -83,7 +81,7 @@ NOINLINE static void load_floats(float *restrict dst, const void *base, int64_t 
 NOINLINE static void store_param(const float *restrict p, void *base, int64_t start, int n, int dtype, int sr,
                                  uint32_t key, int64_t offset) {
     if (dtype == BF16 && sr) {
-        /* optim/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
+        /* quant/rounding.py: add 16 random bits to the fp32 pattern, keep the top half */
         uint16_t *restrict d = (uint16_t *)base + start;
         uint32_t first = (uint32_t)(offset + start);
         for (int i = 0; i < n; i++) {
@@ -291,7 +289,7 @@ static void encode_store(const float *restrict x, int64_t codes, int64_t scales,
     ((float *)scales)[blk] = absmax;
 }
 
-/* ---- the update rules: optim/update.py's arithmetic, in the same order -------------------------------- */
+/* ---- the update rules: rules/adam.py's, rules/sgd.py's and rules/lion.py's arithmetic, in the same order ---- */
 NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
                  const float *c, int decoupled) {
     const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
@@ -370,6 +368,34 @@ typedef struct {
     Encoder encoders[2];        /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
 } Job;
 
+/* ---- the rules this file implements, by name ------------------------------------------------------------
+   A rule (rules/base.py's FusedRule) names its update here (c_name); kernels/cpu.py looks the name up in this
+   table, through the exports below, and passes its index: a rule missing here is refused by name there, never run
+   with another's arithmetic. Each entry reads the job's settings it takes (Adam: decoupled, SGD: nesterov). */
+typedef void (*update_fn)(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c);
+static void adam_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
+    adam(p, g, s0, s1, n, c, job->decoupled);
+}
+static void sgd_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
+    (void)s1;
+    sgd(p, g, s0, n, c, job->nesterov);
+}
+static void lion_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
+    (void)job, (void)s1;
+    lion(p, g, s0, n, c);
+}
+static const struct {
+    const char *name;
+    int n_states, n_coefs;
+    update_fn update;
+} RULES[] = {{"adam", 2, 7, adam_rule}, {"sgd", 1, 4, sgd_rule}, {"lion", 1, 4, lion_rule}};
+#define N_RULES ((int)(sizeof(RULES) / sizeof(RULES[0])))
+
+int torchao_optim_cpu_rule_count(void) { return N_RULES; }
+const char *torchao_optim_cpu_rule_name(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].name : NULL; }
+int torchao_optim_cpu_rule_states(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].n_states : -1; }
+int torchao_optim_cpu_rule_coefs(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].n_coefs : -1; }
+
 /* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
 static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1) {
     const int64_t *row = job->ptrs + t * (1 + 2 * job->n_states);
@@ -385,13 +411,11 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     for (int k = 0; k < job->n_states; k++)
         decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k]);
     const float *c = job->coefs + t * job->n_coefs;
-    if (job->rule == ADAM) adam(p, g, S0, S1, n, c, job->decoupled);
-    else if (job->rule == SGD) sgd(p, g, S0, n, c, job->nesterov);
-    else lion(p, g, S0, n, c);
+    RULES[job->rule].update(job, p, g, S0, S1, n, c);
     if (!direct_p) {
         uint32_t key = 0;
         int64_t offset = 0;
-        if (job->sr) { /* optim/rounding.py's rounding_key(position, step) */
+        if (job->sr) { /* quant/rounding.py's rounding_key(position, step) */
             key = mix32(mix32((uint32_t)job->round_info[2 * t]) ^ (uint32_t)(int64_t)job->steps[t]);
             offset = job->round_info[2 * t + 1];
         }
@@ -444,8 +468,9 @@ static void team_member(void *arg) { /* each member takes every team-size-th ran
     for (int k = omp_thread_num(); k < team->n; k += omp_num_threads()) run_range(&team->ranges[k]);
 }
 
-/* One step of every tensor in the table, on up to n_threads threads (the caller's among them). Returns 0, or
-   -1 for a block size this file does not take. */
+/* One step of every tensor in the table with rule RULES[rule], on up to n_threads threads (the caller's among
+   them). Returns 0; -1 for a block size this file does not take, -3 for a rule index, state count or coefficient
+   count that is not the table's. */
 int torchao_optim_cpu_step(
     int64_t n_tensors, const int64_t *ptrs, const int64_t *grad_ptrs, const int64_t *numels, const float *coefs,
     const float *steps, const int64_t *round_info,
@@ -454,6 +479,7 @@ int torchao_optim_cpu_step(
     int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
     int decoupled, int maximize, int nesterov, int sr, int n_threads, int64_t min_blocks_per_thread) {
     if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
+    if (rule < 0 || rule >= N_RULES || RULES[rule].n_states != n_states || RULES[rule].n_coefs != n_coefs) return -3;
     int64_t *first_block = (int64_t *)malloc((size_t)(n_tensors + 1) * sizeof(int64_t));
     if (!first_block) return -2;
     first_block[0] = 0;

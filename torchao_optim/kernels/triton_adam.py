@@ -1,4 +1,5 @@
-"""The multi-tensor Adam/AdamW kernels on CUDA: one launch updates every tensor of a plan, whatever its shape.
+"""The multi-tensor two-state kernel on CUDA (Adam/AdamW): one launch updates every tensor of a plan, whatever its
+shape.
 
 A plan's tensors share a device, param and grad dtypes and a state layout per moment (8- or 4-bit codes of
 one codebook, or plain fp32). ``adam_kernel`` takes a table of pointers (one row per tensor) and a map from
@@ -10,9 +11,10 @@ once. With ``PREFETCH`` the loads of the next tile are issued before the current
 keeps memory requests in flight while it decodes, updates and encodes. How a state is read and written is
 ``triton_codec``'s, specialized by constexpr: the kernel knows no format.
 
-The arithmetic is :func:`torchao_optim.optim.update.adam_update`'s. ``adam_coefs_kernel`` advances the step
-counts and computes the per-tensor coefficients of :func:`torchao_optim.optim.update.adam_coefficients` in
-one small launch (fp64, like it), from a device tensor of hyperparameters, so a tensor lr needs no host sync.
+The arithmetic is the rule's: its element update, a ``@triton.jit`` function the kernel takes as the constexpr
+``UPDATE`` (``FusedRule.triton_update``; Adam's is ``rules.triton_updates.adam_tile_update``), inlined where it is
+called, with the rule's setting ``OPTION`` (Adam's: decoupled weight decay). The coefficient rows it reads are the
+rule's, written before the launch (Adam's by ``rules.triton_updates.adam_coefs_kernel``, in one small launch).
 This module imports Triton; import it only where Triton is available.
 """
 from __future__ import annotations
@@ -26,51 +28,7 @@ from torchao_optim.kernels.triton_codec import load_codes, load_state, store_sta
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
-@triton.jit
-def _pow(base, t):
-    """``base ** t`` in fp64 for integer-valued ``t`` in [0, 2**32), by squaring: within a few fp64 ulps."""
-    e = t.to(tl.int64)
-    result = tl.full(t.shape, 1.0, tl.float64)
-    b = tl.full(t.shape, 1.0, tl.float64) * base
-    for _ in tl.static_range(32):
-        result = tl.where((e & 1) != 0, result * b, result)
-        b = b * b
-        e = e >> 1
-    return result
-
-
-@triton.jit
-def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """``steps += 1`` and ``coefs = adam_coefficients(steps, hyperparams, DECOUPLED)`` in fp32, for ``n`` tensors
-    (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay). ``PDL``: the update kernel that
-    follows may start now (programmatic dependent launch); it waits for these results where it reads them."""
-    if PDL:
-        gdc_launch_dependents()
-    i = tl.arange(0, N_POW2)
-    mask = i < n
-    step = tl.load(steps + i, mask=mask, other=0.0) + 1.0
-    tl.store(steps + i, step, mask=mask)
-    t = step.to(tl.float64)
-    lr, beta1, beta2 = tl.load(hyperparams + 0), tl.load(hyperparams + 1), tl.load(hyperparams + 2)
-    eps, weight_decay = tl.load(hyperparams + 3), tl.load(hyperparams + 4)
-    if DECOUPLED:
-        wd = 1.0 - lr * weight_decay
-    else:
-        wd = weight_decay
-    step_size = lr / (1.0 - _pow(beta1, t))
-    inv_bc2 = 1.0 / tl.sqrt(1.0 - _pow(beta2, t))  # fp64 sqrt is correctly rounded
-    row = coefs + i * 7
-    zero = tl.zeros(t.shape, tl.float64)
-    tl.store(row + 0, step_size.to(tl.float32), mask=mask)
-    tl.store(row + 1, inv_bc2.to(tl.float32), mask=mask)
-    tl.store(row + 2, (zero + wd).to(tl.float32), mask=mask)
-    tl.store(row + 3, (zero + (1.0 - beta1)).to(tl.float32), mask=mask)
-    tl.store(row + 4, (zero + beta2).to(tl.float32), mask=mask)
-    tl.store(row + 5, (zero + (1.0 - beta2)).to(tl.float32), mask=mask)
-    tl.store(row + 6, (zero + eps).to(tl.float32), mask=mask)
+N_COEFS = 7  # the columns of a tensor's coefficient row this kernel reads (a rule it runs has as many)
 
 
 @triton.jit
@@ -189,14 +147,14 @@ def _load_coefs(c):
 def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
                  m_values, m_level1, m_level2, v_values, v_level1, v_level2,
                  PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                 VEC: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
+                 VEC: tl.constexpr, UPDATE: tl.constexpr, OPTION: tl.constexpr, MAXIMIZE: tl.constexpr,
                  PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
                  V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,
                  M_FLAT: tl.constexpr, V_FLAT: tl.constexpr, WHOLE: tl.constexpr = False):
-    """Adam's update of one loaded tile, and its stores. ``coefs``: the tensor's coefficients (:func:`_load_coefs`)."""
+    """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
+    coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
-    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
     p = as_fp32(p, PARAM_DTYPE, WHOLE)
     g = as_fp32(g, GRAD_DTYPE, WHOLE)
     m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
@@ -204,32 +162,7 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
 
     if MAXIMIZE:
         g = -g
-    if DECOUPLED:
-        p_decayed = p * wd
-    else:
-        g = g + wd * p
-        p_decayed = p
-    m_new = m + one_minus_beta1 * (g - m)
-    v_new = v * beta2 + one_minus_beta2 * g * g
-    # Skipped, as adam_update skips them: a non-finite gradient element, and an element whose new moment
-    # overflows. One test finds both: for a gradient element of +-inf or NaN, ((1 - beta2) * g) * g is +inf or
-    # NaN whatever beta2 is, and so is v_new (NaN is not < inf). The skipped elements' m_new, v_new and
-    # parameter are computed from the unsanitized gradient and thrown away.
-    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
-    m = tl.where(ok, m_new, m)
-    v = tl.where(ok, v_new, v)
-    # fast sqrt and division: the parameter may differ from the compiled path by an ulp or two of its update;
-    # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
-    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19; eps is 0 or normal, as Adam checks), where
-    # the reciprocal that flushes subnormals flushes nothing: it is within one ulp, m * (1 / denom) within two,
-    # with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
-    denom = tl.sqrt(v) * inv_bc2 + eps
-    if PTX:
-        ratio = m * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32,
-                                              is_pure=True, pack=1)
-    else:
-        ratio = tl.fdiv(m, denom)
-    p = tl.where(ok, p_decayed - step_size * ratio, p)
+    p, m, v = UPDATE(p, g, m, v, coefs, OPTION, PTX)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
     store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
@@ -243,20 +176,22 @@ def adam_kernel(
     ptrs,  # int64 (n_tensors, 5): param, exp_avg codes (or fp32 values), its absmax, the same for exp_avg_sq
     grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
-    coefs,  # fp32 (n_tensors, 7): the columns of optim.update.COEFS
+    coefs,  # fp32 (n_tensors, 7): the rule's coefficient rows (Adam's: rules.adam.COEFS)
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first tile
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
-    steps,  # fp32 (n_tensors,): the step counts, advanced by adam_coefs_kernel
+    steps,  # fp32 (n_tensors,): the step counts, already advanced (by the rule's coefficients kernel)
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (optim.fused._tables)
+    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (kernels.tables.layout_tables)
     v_values, v_level1, v_level2,  # exp_avg_sq's
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr,
-    PTX: tl.constexpr, SR: tl.constexpr,
+    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr,
+    UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, m, v, coefs, OPTION, PTX)
+    OPTION: tl.constexpr,  # the rule's one setting (FusedRule.option; Adam's: decoupled weight decay)
+    MAXIMIZE: tl.constexpr, PTX: tl.constexpr, SR: tl.constexpr,
     M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
     M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
-    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (optim.fused.flat_shift)
+    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (kernels.tables.flat_shift)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
@@ -300,7 +235,7 @@ def adam_kernel(
                               QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
+                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
                      V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT, True)
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
@@ -310,5 +245,5 @@ def adam_kernel(
                           QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE)
         _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
                      m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, DECOUPLED, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
+                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
                      V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)

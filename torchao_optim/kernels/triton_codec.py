@@ -348,10 +348,11 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits
     (fp32 in [-1, 1], contiguous, on a device the kernels run on), specialized as the fused kernels are for the
     codebook's sign (``StateLayout.signed``) and its encoder's form: an even grid's arithmetic (unless not
     ``grid``), else, where ``quant.codec.flat_keyed(..., flat_max_bits)`` has a one-load form for the codebook,
-    that form (``None``: the planner's limit, ``optim.fused.FLAT_MAX_BITS``; 0: always two loads)."""
+    that form (``None``: the kernels' limit, ``kernels.tables.FLAT_MAX_BITS``; 0: always two loads)."""
     import torch
 
-    from torchao_optim.optim.fused import FLAT_MAX_BITS, _interpreter, codebook_flat_shift, encoder_tables
+    from torchao_optim.kernels import triton_interpreter
+    from torchao_optim.kernels.tables import FLAT_MAX_BITS, codebook_flat_shift, encoder_tables
 
     codebook = tuple(codebook)
     shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits,
@@ -360,5 +361,5 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
     _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,
-                                                     SIGNED=min(codebook) < 0, FLAT=shift, PTX=not _interpreter())
+                                                     SIGNED=min(codebook) < 0, FLAT=shift, PTX=not triton_interpreter())
     return out

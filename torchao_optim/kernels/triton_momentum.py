@@ -1,4 +1,4 @@
-"""The multi-tensor one-state kernel on CUDA: SGD with momentum and Lion, one launch per plan.
+"""The multi-tensor one-state kernel on CUDA (SGD with momentum, Lion): one launch per plan.
 
 The twin of :mod:`torchao_optim.kernels.triton_adam` for rules that carry one state (SGD's momentum buffer,
 Lion's ``exp_avg``): a plan's tensors share a device, param and grad dtypes and the state's layout; the kernel
@@ -7,60 +7,41 @@ from program to (tensor, first tile, number of tiles); each program walks its co
 reads and writes everything once. Reading and writing the state is ``triton_codec``'s, so the kernel knows no
 format.
 
-The arithmetic is :func:`~torchao_optim.optim.update.sgd_update`'s (``RULE = 0``) or
-:func:`~torchao_optim.optim.update.lion_update`'s (``RULE = 1``), with the coefficient rows of
-``sgd_coefficients``/``lion_coefficients`` read from a device table (a tensor lr needs no host sync). This
-module imports Triton; import it only where Triton is available.
+The arithmetic is the rule's: its element update, a ``@triton.jit`` function the kernel takes as the constexpr
+``UPDATE`` (``FusedRule.triton_update``: ``rules.triton_updates.sgd_tile_update``, ``lion_tile_update``), inlined
+where it is called, with the rule's setting ``OPTION`` (SGD's: nesterov) and the tensor's row of the rule's
+coefficients, read from a device table (a tensor lr needs no host sync). This module imports Triton; import it
+only where Triton is available.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _codes_pointer, _round_key, as_fp32, load_values, store_param
 from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets
 
-RULES = {"sgd": 0, "lion": 1}
+N_COEFS = 4  # the columns of a tensor's coefficient row this kernel reads (a rule it runs has as many)
 
 
 @triton.jit
 def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
                    PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                   RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
+                   UPDATE: tl.constexpr, OPTION: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
                    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
                    S_FLAT: tl.constexpr, GRAD_DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
-    """The update of tile ``blk`` (its first ``n_valid`` elements): loads, arithmetic, stores. ``coefs``: the
-    tensor's four coefficients, loaded once per program. ``WHOLE``: the tile is whole (as in ``adam_kernel``'s
-    loop: codes and bf16 values move in words)."""
+    """The update of tile ``blk`` (its first ``n_valid`` elements): loads, the rule's arithmetic (``UPDATE`` with its
+    ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile
+    is whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words)."""
     start = blk * BLOCK
     p = as_fp32(load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE), PARAM_DTYPE, WHOLE)
     g = as_fp32(load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE), GRAD_DTYPE, WHOLE)
     raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
     s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
-    c0, c1, c2, c3 = coefs
 
     if MAXIMIZE:
         g = -g
-    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
-    g = tl.where(finite, g, 0.0)
-    if RULE == 0:  # SGD: lr, weight_decay, momentum, grad_coef
-        g = g + c1 * p
-        s_new = s * c2 + c3 * g
-        ok = finite & (tl.abs(s_new) < float("inf"))
-        s = tl.where(ok, s_new, s)
-        if NESTEROV:
-            d = g + c2 * s
-        else:
-            d = s
-        p = tl.where(ok, p - c0 * d, p)
-    else:  # Lion: lr, 1 - lr * weight_decay, 1 - beta1, 1 - beta2
-        interp = s + c2 * (g - s)
-        s_new = s + c3 * (g - s)
-        ok = finite & (tl.abs(s_new) < float("inf")) & (tl.abs(interp) < float("inf"))
-        s = tl.where(ok, s_new, s)
-        sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
-        p = tl.where(ok, p * c1 - c0 * sign, p)
+    p, s = UPDATE(p, g, s, coefs, OPTION, PTX)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
     store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
@@ -72,7 +53,7 @@ def momentum_kernel(
     ptrs,  # int64 (n_tensors, 3): param, the state's codes (or fp32 values), its absmax
     grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
-    coefs,  # fp32 (n_tensors, 4): SGD_COEFS or LION_COEFS of optim.update
+    coefs,  # fp32 (n_tensors, 4): the rule's coefficient rows (rules.sgd.SGD_COEFS, rules.lion.LION_COEFS)
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first tile
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
@@ -80,9 +61,12 @@ def momentum_kernel(
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
     s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
     PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    ALIGNED: tl.constexpr, RULE: tl.constexpr, NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, s, coefs, OPTION, PTX)
+    OPTION: tl.constexpr,  # the rule's one setting (FusedRule.option; SGD's: nesterov)
+    MAXIMIZE: tl.constexpr, SR: tl.constexpr,
     S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
-    S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; optim.fused.flat_shift)
+    S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; kernels.tables.flat_shift)
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -104,36 +88,10 @@ def momentum_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
         _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
+                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
                        S_SIGNED, S_FLAT, GRAD_DTYPE, True)
     if has_tail:
         blk = first + n_full
         _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, RULE, NESTEROV, MAXIMIZE, SR, S_QUANT,
+                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, SR, S_QUANT,
                        S_BITS, PTX, S_SIGNED, S_FLAT, GRAD_DTYPE)
-
-
-def launch_momentum(plan, hyperparams: torch.Tensor, maximize: bool = False, nesterov: bool = False,
-                    stochastic_round: bool = False) -> None:
-    """One step of every parameter of ``plan`` (a :class:`~torchao_optim.optim.fused.GroupPlan` of a one-state
-    rule); ``hyperparams`` is the group's, as its coefficient function takes them."""
-    from torchao_optim.optim.fused import _interpreter
-    from torchao_optim.optim.update import lion_coefficients, sgd_coefficients
-
-    plan.steps.add_(1)
-    rule = plan.rule.name
-    coefficients = sgd_coefficients if rule == "sgd" else lion_coefficients
-    plan.coefs.copy_(coefficients(plan.steps, hyperparams))  # (n_tensors, 4), fp32
-    if plan.n_programs == 0:
-        return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
-    layout = plan.layouts[0]
-    plan.compiled = momentum_kernel[(plan.n_programs,)](
-        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
-        plan.steps, plan.round_info, *plan.tables,
-        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
-        ALIGNED=plan.aligned and plan.grads_aligned,
-        RULE=RULES[rule], NESTEROV=nesterov, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
-        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not _interpreter(),
-        S_SIGNED=getattr(layout, "signed", True), S_FLAT=plan.flat[0],
-        num_warps=plan.num_warps,
-    )

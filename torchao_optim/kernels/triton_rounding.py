@@ -1,4 +1,4 @@
-"""Stochastic rounding to bf16 in Triton: :mod:`torchao_optim.optim.rounding`'s hash and rounding, bit for bit.
+"""Stochastic rounding to bf16 in Triton: :mod:`torchao_optim.quant.rounding`'s hash and rounding, bit for bit.
 
 The hash runs in uint32, whose products wrap modulo 2**32 to the values the torch version computes in int64
 with masks. This module imports Triton; import it only where Triton is available.
@@ -11,7 +11,7 @@ import triton.language as tl
 
 @triton.jit
 def mix32(x):
-    """``optim.rounding.mix32`` on uint32 values."""
+    """``quant.rounding.mix32`` on uint32 values."""
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -21,7 +21,7 @@ def mix32(x):
 
 @triton.jit
 def rounding_key(index, step):
-    """``optim.rounding.rounding_key`` (uint32) of a parameter's position and its (fp32) step count."""
+    """``quant.rounding.rounding_key`` (uint32) of a parameter's position and its (fp32) step count."""
     return mix32(mix32(index.to(tl.uint32)) ^ step.to(tl.int64).to(tl.uint32))
 
 
@@ -44,7 +44,7 @@ def _round_kernel(x_ptr, out_ptr, n, param_index, steps, BLOCK: tl.constexpr):
 
 
 def stochastic_round_bf16_triton(x, param_index: int, step):
-    """``optim.rounding.stochastic_round_bf16(x, rounding_key(param_index, step))`` through the kernels' code
+    """``quant.rounding.stochastic_round_bf16(x, rounding_key(param_index, step))`` through the kernels' code
     (for tests): ``x`` fp32 contiguous, ``step`` a one-element fp32 tensor, both on a device the kernels run on."""
     import torch
 

@@ -11,9 +11,8 @@ from torch import Tensor
 from torchao_optim.optim.base import (
     LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
 )
-from torchao_optim.optim.fused import ADAM
 from torchao_optim.optim.sharded import is_dtensor, like_param
-from torchao_optim.optim.update import adam_coefficients, adam_update
+from torchao_optim.rules import ADAM, adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState
 
 __all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",

@@ -27,7 +27,7 @@ from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
 from torchao_optim.optim import replay, traced
 from torchao_optim.optim.replay import Steady, StepGraph
-from torchao_optim.optim.rounding import rounding_key
+from torchao_optim.quant.rounding import rounding_key
 from torchao_optim.optim.snapshot import StateSnapshot, same_objects
 from torchao_optim.optim.sharded import (
     element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
@@ -629,7 +629,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _rounding(self, params: List[Tensor]) -> List[Tuple[int, int]]:
         """``(position in the optimizer, element offset of the local shard)`` of each of ``params``: what the
-        stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.optim.rounding`)."""
+        stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.quant.rounding`)."""
         if any(id(p) not in self._positions for p in params):
             self._positions = {id(p): i for i, p in enumerate(q for g in self.param_groups for q in g["params"])}
         return [(self._positions[id(p)], element_offset(p)) for p in params]
@@ -888,7 +888,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _round_keys(self, params, steps, group, device) -> Optional[Tuple[Tensor, ...]]:
         """With ``bf16_stochastic_round`` and a bf16 parameter among ``params``: each parameter's int64
-        ``(key, element offset)`` row for :func:`~torchao_optim.optim.update.store_param`, from its advanced
+        ``(key, element offset)`` row for :func:`~torchao_optim.rules.store_param`, from its advanced
         step count, computed for all at once; padded by one row like the coefficients. Else None."""
         if not group["bf16_stochastic_round"] or not any(p.dtype == torch.bfloat16 for p in params):
             return None

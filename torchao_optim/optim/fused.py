@@ -21,28 +21,29 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from torchao_optim.kernels import triton_interpreter
+from torchao_optim.kernels.tables import flat_shift, layout_tables
+from torchao_optim.optim import launch
 from torchao_optim.optim.sharded import local
 from torchao_optim.optim.snapshot import StateSnapshot, storages
-from torchao_optim.quant import bucket_tables
-from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
+from torchao_optim.rules import FusedRule
 
-__all__ = ["fused_available", "FusedRule", "ADAM", "GroupPlan", "plan_group", "check_state_shapes"]
+__all__ = ["fused_available", "GroupPlan", "plan_group", "check_state_shapes"]
 
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
 PREFETCH = True  # issue the next tile's loads before computing the current one
-# Adam's update kernels start as programmatic dependents of the kernel before them (CUDA, compute capability 9.0
-# and later): their launch and first loads overlap the coefficients kernel, or the previous plan's update.
+# The two-state update kernels (Adam's) start as programmatic dependents of the kernel before them (CUDA, compute
+# capability 9.0 and later): their launch and first loads overlap the coefficients kernel, or the previous plan's
+# update.
 PDL = True
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
-MAXNREG = None  # where set, the register cap of every update kernel instead of REGISTER_CAPS' (0: none)
+MAXNREG = None  # where set, the register cap of every two-state kernel instead of REGISTER_CAPS' (0: none)
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 registers for
 # these) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200 with
 # benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X for 8-bit and run AS for 4-bit): 8-bit
@@ -50,12 +51,6 @@ MAXNREG = None  # where set, the register cap of every update kernel instead of 
 # 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
 # 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
 REGISTER_CAPS = {(8, 2): 80, (4, 2): 80, (4, 4): 80}
-# The encoder in one table load (codec.flat_keyed) for a codebook whose exponents need at most this many mantissa
-# bits each (a table of 512 << bits int32); two loads for the others (0: always two). The 4-bit codebooks need 3, the
-# dynamic 8-bit maps 7 (256 KB, of which a step reads the rows of the exponents its values have). Measured on an H200
-# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, runs AS and AT): 4-bit bf16 12% faster
-# (with the byte-pair decode), dtq8 bf16 6% (ViT-B too); fp32 parameters, at their floor already, unchanged.
-FLAT_MAX_BITS = 7
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
@@ -71,10 +66,6 @@ MIN_PROGRAMS: Optional[int] = None
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
 TAIL_TILES: Optional[int] = None
 TAIL_TILES_PER_SM = 32
-
-
-def _interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -95,7 +86,7 @@ def fused_available(device: Optional[torch.device] = None) -> bool:
     if not _triton_importable():
         return False
     device = torch.device(device)
-    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and _interpreter())
+    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and triton_interpreter())
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
@@ -116,19 +107,6 @@ def _state_layout(state) -> Optional[object]:
     return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
 
 
-@dataclass(frozen=True)
-class FusedRule:
-    """An update rule a fused kernel implements: its name (which kernel, and which coefficient rows it reads)
-    and the state keys it reads and writes, one or two, in the kernel's order."""
-
-    name: str
-    state_keys: Tuple[str, ...]
-    n_coefs: int  # columns of the coefficient rows its kernel reads
-
-
-ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), 7)
-
-
 def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
     implements the group's rule). CPU parameters go to the C kernels of :mod:`torchao_optim.kernels.cpu`, or
@@ -137,7 +115,7 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     p, grad = local(p), local(p.grad)
     if rule is None or not p.is_contiguous() or not grad.is_contiguous():
         return None
-    if p.device.type == "cpu" and not (interpreter and _interpreter()):
+    if p.device.type == "cpu" and not (interpreter and triton_interpreter()):
         from torchao_optim.kernels.cpu import cpu_dtypes
 
         executor, dtypes = "cpu", cpu_dtypes()  # empty where the step could not be built
@@ -170,69 +148,6 @@ def _address(t: Optional[Tensor]) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
-    """(decode values, level1, level2) of a layout's codebook on ``device``, in the form ``executor``'s kernels
-    read; placeholders for fp32."""
-    if layout == "fp32":
-        placeholder = _placeholder(device)
-        return (placeholder,) * 3
-    return (_decode_table(layout, device, executor),) + encoder_tables(layout.codebook, layout.never_zero, device,
-                                                                       executor, flat_shift(layout, executor))
-
-
-@functools.lru_cache(maxsize=None)
-def _decode_table(layout, device, executor: str) -> Tensor:
-    """The codebook as fp32, padded with zeros to ``2**bits`` values (a kernel may load the whole table at once,
-    the fused CPU step's 4-bit decode does); the padding is never a code's value. The Triton kernels decode
-    4-bit codes a byte at a time: the values of both nibbles of every byte (``codec.nibble_pairs``)."""
-    values = torch.zeros(2**layout.bits, dtype=torch.float32)
-    values[: len(layout.codebook)] = torch.tensor(layout.codebook, dtype=torch.float32)
-    if layout.bits == 4 and executor == "triton":
-        values = nibble_pairs(values)
-    return values.to(device)
-
-
-def flat_shift(layout, executor: str) -> int:
-    """The Triton kernels' ``FLAT`` constexpr for a layout, the form of its encoder (:func:`codebook_flat_shift`); 0
-    for plain fp32 state and the other executors."""
-    if layout == "fp32" or executor != "triton":
-        return 0
-    return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
-
-
-def codebook_flat_shift(codebook, never_zero: bool, max_bits: int, grid: bool = True) -> int:
-    """The form of a codebook's encoder in the Triton kernels (their ``FLAT`` constexpr): ``-k`` for the even grid
-    ``(i + 1) / 2**k`` (``codec.grid_bits``: arithmetic, no table; unless not ``grid``), else the shift of its
-    one-load encoder where it needs at most ``max_bits`` mantissa bits per exponent, else 0 (two loads)."""
-    k = grid_bits(tuple(codebook), bool(never_zero)) if grid else 0
-    if k:
-        return -k
-    one = flat_keyed(tuple(codebook), never_zero, max_bits) if max_bits else None
-    return 0 if one is None else one[1]
-
-
-@functools.lru_cache(maxsize=None)
-def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
-    """The encoder's tables of a codebook in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits,
-    and level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table
-    of codec.flat_keyed, twice (the Triton kernels read the first); below 0 (an even grid's arithmetic encoder),
-    placeholders."""
-    if shift < 0:
-        placeholder = _placeholder(device)
-        return placeholder, placeholder
-    if shift:
-        table = flat_keyed(codebook, never_zero, 23 - shift)[0].to(device)
-        return table, table
-    t = bucket_tables(codebook, never_zero)
-    level2 = t.level2_keyed() if executor == "triton" else t.level2_with_bounds()
-    return t.level1_by_bits().to(device), level2.to(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _placeholder(device) -> Tensor:
-    return torch.zeros(1, dtype=torch.float32, device=device)
-
-
 class GroupPlan:
     """Device tables for one launch over ``params`` (all with the same :func:`plan_key`). ``pdl=False``: its Adam
     update never starts before the work queued ahead of it has finished (see :data:`PDL`)."""
@@ -240,8 +155,6 @@ class GroupPlan:
     def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
                  rounding: Optional[List[Tuple[int, int]]] = None, pdl: bool = True):
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype, self.executor = key
-        if self.rule.name == "adam":
-            self.m_layout, self.v_layout = self.layouts
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
         shards = [local(p) for p in params]
         self.sharded = any(s is not p for s, p in zip(shards, params))
@@ -252,9 +165,10 @@ class GroupPlan:
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         self.iters = spread_iters(numels, self.tile, _per_sm(MIN_PROGRAMS, 8, device))
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
-        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not _interpreter()
+        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not triton_interpreter()
                     and torch.cuda.get_device_capability(device)[0] >= 9)
-        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if self.rule.name == "adam" else None
+        # the caps were measured on the two-state kernel; the one-state kernel takes the compiler's choice
+        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if len(self.layouts) == 2 else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
         pointed = [[p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
                    for p, s in zip(shards, states)]
@@ -282,10 +196,10 @@ class GroupPlan:
         self.states = states
         self.use_counters(torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states]),
                           torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device))
-        # (step counts, coefficient rows) that this plan's Adam launch advances and computes first: its own, or
-        # those of every Adam plan of its group on its device (None: another plan's launch computes them)
+        # (step counts, coefficient rows) that this plan's launch advances and computes first: its own, or those of
+        # every plan of its group on its device (None: another plan's launch computes them; _share_coefficients)
         self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
-        self.tables = sum((_tables(layout, device, self.executor) for layout in self.layouts), ())
+        self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
@@ -349,50 +263,15 @@ class GroupPlan:
             self.grads_aligned = all(k % 16 == 0 for k in key)
         return True
 
-    def launch(self, hyperparams: Tensor, decoupled: bool = False, maximize: bool = False,
-               stochastic_round: bool = False, refresh: bool = True, **flags) -> None:
-        """One step of every parameter of the plan with its rule's kernel; for Adam, ``hyperparams`` as in
-        ``adam_coefficients``, for the one-state rules as in :mod:`torchao_optim.kernels.triton_momentum`.
-        Adam's is two launches: the step counts and coefficients (``adam_coefs_kernel``; one launch for every Adam
-        plan of a group on a device, made by the first plan's, see :func:`plan_group`), then the update. On the
-        CPU, one call of :func:`~torchao_optim.kernels.cpu.launch_cpu`. ``refresh=False``: the caller has just
-        called :meth:`refresh_grads`."""
+    def launch(self, hyperparams: Tensor, refresh: bool = True, **flags) -> None:
+        """One step of every parameter of the plan, by its executor's kernel (:func:`torchao_optim.optim.launch.run`:
+        ``hyperparams`` as the rule's coefficients take them, and the optimizer's launch flags).
+        ``refresh=False``: the caller has just called :meth:`refresh_grads`."""
         if refresh and not self.refresh_grads():
             p, g = next((p, g) for p, g in zip(self.params, self._grads()) if not g.is_contiguous())
             raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
                                f"{g.stride()}), which this fused step cannot read; make it contiguous")
-        if self.executor == "cpu":
-            from torchao_optim.kernels.cpu import launch_cpu
-
-            return launch_cpu(self, hyperparams, decoupled=decoupled, maximize=maximize,
-                              stochastic_round=stochastic_round, **flags)
-        if self.rule.name != "adam":
-            from torchao_optim.kernels.triton_momentum import launch_momentum
-
-            return launch_momentum(self, hyperparams, maximize=maximize, stochastic_round=stochastic_round, **flags)
-        from torchao_optim.kernels.triton_adam import adam_coefs_kernel, adam_kernel
-
-        if self.coefs_for is not None:
-            steps, coefs = self.coefs_for
-            n = len(steps)
-            adam_coefs_kernel[(1,)](steps, hyperparams, coefs, n, DECOUPLED=decoupled,
-                                    N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=self.pdl, num_warps=4)
-        if self.n_programs == 0:
-            return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
-        self.compiled = adam_kernel[(self.n_programs,)](
-            self.ptrs, self.grad_ptrs, self.numels, self.coefs, self.prog_tensor, self.prog_block, self.prog_tiles,
-            self.steps, self.round_info, *self.tables,
-            PARAM_DTYPE=self.param_dtype, GRAD_DTYPE=self.grad_dtype, QBLOCK=self.block, BLOCK=self.tile, VEC=self.vec,
-            PREFETCH=self.prefetch, ALIGNED=self.aligned and self.grads_aligned, PTX=not _interpreter(),
-            SR=self.rounds(stochastic_round),
-            DECOUPLED=decoupled, MAXIMIZE=maximize,
-            M_QUANT=self.m_layout != "fp32", M_BITS=getattr(self.m_layout, "bits", 8),
-            V_QUANT=self.v_layout != "fp32", V_BITS=getattr(self.v_layout, "bits", 8),
-            M_SIGNED=getattr(self.m_layout, "signed", True), V_SIGNED=getattr(self.v_layout, "signed", True),
-            M_FLAT=self.flat[0], V_FLAT=self.flat[1],
-            PDL=self.pdl, num_warps=self.num_warps, **({"maxnreg": self.maxnreg} if self.maxnreg else {}),
-            **({"launch_pdl": True} if self.pdl else {}),
-        )
+        launch.run(self, hyperparams, **flags)
 
 
 def _programs(numels: Tensor, span: int) -> Tensor:
@@ -438,13 +317,14 @@ def _per_sm(setting: Optional[int], per_sm: int, device: torch.device) -> int:
 
 
 def _share_coefficients(plans: List[GroupPlan]) -> None:
-    """One coefficients launch for every Adam plan of a group on a device (the Triton executor's), made by the
-    first one's launch (the plans of a group are launched together, in order): their step counts and coefficient
-    rows become slices of one buffer each. Each launch is a kernel the next one waits for (about 2 us on an H200,
-    on a step of ViT-B's 0.3 ms with its two plans, quantized states and the plain states of its 1-D tensors)."""
+    """One coefficients launch for every plan of a group on a device whose rule has a Triton coefficients kernel
+    (Adam's; the Triton executor's), made by the first one's launch (the plans of a group are launched together, in
+    order): their step counts and coefficient rows become slices of one buffer each. Each launch is a kernel the next
+    one waits for (about 2 us on an H200, on a step of ViT-B's 0.3 ms with its two plans, quantized states and the
+    plain states of its 1-D tensors)."""
     by_device: Dict[torch.device, List[GroupPlan]] = {}
     for plan in plans:
-        if plan.executor == "triton" and plan.rule.name == "adam":
+        if plan.executor == "triton" and plan.rule.triton_coefficients is not None:
             by_device.setdefault(plan.steps.device, []).append(plan)
     for same in by_device.values():
         if len(same) < 2:
@@ -461,7 +341,7 @@ def _share_coefficients(plans: List[GroupPlan]) -> None:
 
 
 def register_cap(layouts, param_bytes: int) -> Optional[int]:
-    """The register cap of an Adam plan whose states have ``layouts``: :data:`MAXNREG` where set, else
+    """The register cap of a two-state plan (Adam's) whose states have ``layouts``: :data:`MAXNREG` where set, else
     :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
         return MAXNREG or None

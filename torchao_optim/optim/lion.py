@@ -4,12 +4,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from torchao_optim.optim.base import LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases
-from torchao_optim.optim.fused import FusedRule
-from torchao_optim.optim.update import lion_coefficients, lion_update
+from torchao_optim.rules import LION, lion_coefficients, lion_update
 
 __all__ = ["Lion8bit"]
-
-LION_RULE = FusedRule("lion", ("exp_avg",), 4)
 
 
 def _check(lr, betas, weight_decay) -> None:
@@ -76,7 +73,7 @@ class Lion8bit(LowBitOptimizer):
         return lion_coefficients(steps, hp)
 
     def _fused_rule(self, group):
-        return LION_RULE
+        return LION
 
     def _launch_flags(self, group):
         return dict(maximize=group["maximize"])

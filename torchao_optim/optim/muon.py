@@ -2,7 +2,7 @@
 
 Muon (Keller Jordan et al., 2024) orthogonalizes the momentum of each 2-D parameter with a few Newton-Schulz
 iterations. The elementwise half (the momentum buffer and the Nesterov direction) is the per-parameter compiled
-update :func:`~torchao_optim.optim.update.muon_momentum`, over a state of any format; the orthogonalization is
+update :func:`~torchao_optim.rules.muon.muon_momentum`, over a state of any format; the orthogonalization is
 ``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which
 computes the same thing (bit for bit on the CPU: tested against torch's where both exist).
 """
@@ -18,11 +18,8 @@ from torchao_optim.optim.base import (
     LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
 )
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.fused import ADAM
 from torchao_optim.optim.sharded import is_dtensor
-from torchao_optim.optim.update import (
-    adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param,
-)
+from torchao_optim.rules import ADAM, adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param
 
 __all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
 

@@ -29,8 +29,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from torchao_optim.optim.fused import FusedRule, GroupPlan, plan_key
+from torchao_optim.optim.fused import GroupPlan, plan_key
 from torchao_optim.optim.snapshot import StateSnapshot
+from torchao_optim.rules import FusedRule
 from torchao_optim.state import QuantizedState
 
 __all__ = ["CHUNK_BYTES", "Slots", "OffloadChunk", "plan_offloaded", "pinned_empty", "state_nbytes"]

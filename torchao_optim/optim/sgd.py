@@ -4,12 +4,9 @@ from __future__ import annotations
 from torch import Tensor
 
 from torchao_optim.optim.base import LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases
-from torchao_optim.optim.fused import FusedRule
-from torchao_optim.optim.update import sgd_coefficients, sgd_update
+from torchao_optim.rules import SGD, sgd_coefficients, sgd_update
 
 __all__ = ["SGD8bit"]
-
-SGD_RULE = FusedRule("sgd", ("momentum_buffer",), 4)
 
 
 def _check(lr, momentum, dampening, weight_decay, nesterov) -> None:
@@ -82,7 +79,7 @@ class SGD8bit(LowBitOptimizer):
         return sgd_coefficients(steps, hp)
 
     def _fused_rule(self, group):
-        return SGD_RULE if group["momentum"] != 0 else None
+        return SGD if group["momentum"] != 0 else None
 
     def _launch_flags(self, group):
         return dict(maximize=group["maximize"], nesterov=group["nesterov"])

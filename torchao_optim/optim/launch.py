@@ -1,0 +1,158 @@
+"""Every launch of the fused step, in one place: a plan (:mod:`torchao_optim.optim.fused`) run on its executor.
+
+A plan is data: pointer tables, sizes, the program map, its layouts' tables and flags. Its rule
+(:class:`~torchao_optim.rules.FusedRule`) says the rest: its number of states (which kernel family runs it), its
+element update in each family's form, its coefficients and its name in the C step. Three launches:
+
+- Triton, two states (Adam): the rule's coefficients kernel advances the step counts and writes the coefficient
+  rows (one launch for every plan of a group on a device, made by the first plan's: ``fused._share_coefficients``),
+  then ``adam_kernel`` with the rule's element update.
+- Triton, one state (SGD, Lion): the step counts advance and the rule's coefficient function writes the rows (a
+  few small torch launches), then ``momentum_kernel`` with the rule's element update.
+- CPU: each state's own step count advances, the rule's coefficient function writes the rows, then one call of
+  the C step (``kernels/cpu_step.c``) runs the rule's C function, found in its table by the rule's ``c_name``.
+
+A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+from torch import Tensor
+
+from torchao_optim.kernels import triton_interpreter
+from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, cpu_kernels, cpu_rule
+
+__all__ = ["run"]
+
+MIN_BLOCKS_PER_THREAD = 64  # CPU: a thread is worth starting for at least this many blocks (16K elements at 256)
+C_SETTINGS = ("decoupled", "nesterov")  # the settings the C step takes, by name (its arguments)
+
+
+def run(plan, hyperparams: Tensor, maximize: bool = False, stochastic_round: bool = False, **options) -> None:
+    """One step of every parameter of ``plan``. ``hyperparams``: the group's tensor, as the rule's coefficients take
+    it; then the optimizer's launch flags: ``maximize``, ``stochastic_round`` (bf16 parameters only) and the rule's
+    option by its name (``FusedRule.option``: Adam's ``decoupled``, SGD's ``nesterov``)."""
+    rule = plan.rule
+    option = bool(options.pop(rule.option, False)) if rule.option is not None else False
+    if options:
+        raise TypeError(f"rule {rule.name!r} takes no launch setting {sorted(options)} (its option: {rule.option!r})")
+    if plan.executor == "cpu":
+        return _run_cpu(plan, hyperparams, option, maximize, stochastic_round)
+    if len(plan.layouts) == 2:
+        return _run_two_states(plan, hyperparams, option, maximize, stochastic_round)
+    if len(plan.layouts) == 1:
+        return _run_one_state(plan, hyperparams, option, maximize, stochastic_round)
+    raise NotImplementedError(f"rule {rule.name!r} carries {len(plan.layouts)} states {rule.state_keys}: the Triton "
+                              f"kernels take one or two")
+
+
+def _triton_update(rule, n_states: int, n_coefs: int):
+    """The rule's element update for the Triton kernel of ``n_states`` states, which reads ``n_coefs`` coefficients."""
+    if rule.triton_update is None:
+        raise NotImplementedError(f"rule {rule.name!r} declares no Triton element update (FusedRule.triton_update): "
+                                  f"the fused Triton kernels cannot run it; give it one (rules/triton_updates.py), "
+                                  f"or leave its parameters to the compiled path (fused=False)")
+    if rule.n_coefs != n_coefs:
+        raise NotImplementedError(f"rule {rule.name!r} has {rule.n_coefs} coefficients {rule.coefficient_names}, "
+                                  f"but the Triton kernel of {n_states} state(s) reads {n_coefs}")
+    return rule.triton_update()
+
+
+def _advance(plan, hyperparams: Tensor, option: bool) -> None:
+    """The step counts and coefficient rows this plan's launch advances and writes (``plan.coefs_for``: its own, or
+    those of every plan of its group on its device; None: an earlier plan's launch does): in one launch of the
+    rule's coefficients kernel where it has one, else with its coefficient function."""
+    if plan.coefs_for is None:
+        return
+    steps, coefs = plan.coefs_for
+    if plan.rule.triton_coefficients is not None:
+        n = len(steps)
+        plan.rule.triton_coefficients()[(1,)](steps, hyperparams, coefs, n, option,
+                                              N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=plan.pdl, num_warps=4)
+    else:
+        steps.add_(1)
+        coefs.copy_(plan.rule.coefficients(steps, hyperparams, option))  # (n_tensors, n_coefs), fp32
+
+
+def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
+    from torchao_optim.kernels.triton_adam import N_COEFS, adam_kernel
+
+    update = _triton_update(plan.rule, 2, N_COEFS)
+    _advance(plan, hyperparams, option)
+    if plan.n_programs == 0:
+        return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
+    m_layout, v_layout = plan.layouts
+    plan.compiled = adam_kernel[(plan.n_programs,)](
+        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
+        plan.steps, plan.round_info, *plan.tables,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
+        PREFETCH=plan.prefetch, ALIGNED=plan.aligned and plan.grads_aligned, PTX=not triton_interpreter(),
+        SR=plan.rounds(stochastic_round), UPDATE=update, OPTION=option, MAXIMIZE=maximize,
+        M_QUANT=m_layout != "fp32", M_BITS=getattr(m_layout, "bits", 8),
+        V_QUANT=v_layout != "fp32", V_BITS=getattr(v_layout, "bits", 8),
+        M_SIGNED=getattr(m_layout, "signed", True), V_SIGNED=getattr(v_layout, "signed", True),
+        M_FLAT=plan.flat[0], V_FLAT=plan.flat[1],
+        PDL=plan.pdl, num_warps=plan.num_warps, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+        **({"launch_pdl": True} if plan.pdl else {}),
+    )
+
+
+def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
+    from torchao_optim.kernels.triton_momentum import N_COEFS, momentum_kernel
+
+    update = _triton_update(plan.rule, 1, N_COEFS)
+    _advance(plan, hyperparams, option)
+    if plan.n_programs == 0:
+        return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
+    (layout,) = plan.layouts
+    plan.compiled = momentum_kernel[(plan.n_programs,)](
+        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
+        plan.steps, plan.round_info, *plan.tables,
+        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
+        ALIGNED=plan.aligned and plan.grads_aligned,
+        UPDATE=update, OPTION=option, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
+        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not triton_interpreter(),
+        S_SIGNED=getattr(layout, "signed", True), S_FLAT=plan.flat[0],
+        num_warps=plan.num_warps,
+    )
+
+
+def _c_settings(rule, option: bool) -> Dict[str, Any]:
+    """The C step's settings (:data:`C_SETTINGS`): the rule's option under its name, the others off."""
+    settings = dict.fromkeys(C_SETTINGS, False)
+    if rule.option is not None:
+        if rule.option not in settings:
+            raise NotImplementedError(f"rule {rule.name!r} takes the option {rule.option!r}, which the fused CPU "
+                                      f"step does not (it takes {list(C_SETTINGS)})")
+        settings[rule.option] = option
+    return settings
+
+
+def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
+    """The step counts advance, the rule's coefficient function writes the rows (as the compiled path computes
+    them), then one call of the C step updates every tensor."""
+    rule = plan.rule
+    index, settings = cpu_rule(rule), _c_settings(rule, option)
+    steps = [s["step"] for s in plan.states]  # each state's own counter (GroupPlan says why)
+    torch._foreach_add_(steps, 1)
+    plan.steps = torch.stack(steps).to(torch.float32)
+    plan.coefs.copy_(rule.coefficients(plan.steps, hyperparams, option))
+    args = []  # per state slot: decode table, level1, level2, kind (an absent second state: NULLs, fp32)
+    for k in range(2):
+        if k < len(plan.layouts):
+            layout = plan.layouts[k]
+            args += [t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]]
+            args.append(KINDS[layout if layout == "fp32" else layout.bits])
+        else:
+            args += [None, None, None, KINDS["fp32"]]
+    status = cpu_kernels().torchao_optim_cpu_step(
+        len(plan.params), plan.ptrs.data_ptr(), plan.grad_ptrs.data_ptr(), plan.numels.data_ptr(),
+        plan.coefs.data_ptr(), plan.steps.data_ptr(), plan.round_info.data_ptr(), *args,
+        len(plan.layouts), rule.n_coefs, plan.block, index, CPU_DTYPES[plan.torch_param_dtype],
+        CPU_DTYPES[plan.torch_grad_dtype], settings["decoupled"], maximize, settings["nesterov"],
+        plan.rounds(stochastic_round), torch.get_num_threads(), MIN_BLOCKS_PER_THREAD * 256 // plan.block)
+    if status != 0:
+        raise RuntimeError(f"the fused CPU step failed (status {status}) for rule {rule.name!r}, block size "
+                           f"{plan.block}")

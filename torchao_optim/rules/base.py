@@ -1,0 +1,89 @@
+"""An update rule as data, and what every rule's plain tensor update shares.
+
+A :class:`FusedRule` says what a fused kernel needs to run a rule, and nothing of any optimizer: its states and
+their signs, its per-step coefficients, its element update in each kernel family's form, and the name of its
+function in the C step. The kernels read these; no table of names picks a kernel or coefficients, so a rule a
+kernel was not built for is refused by name (``optim/launch.py``), never run with another rule's arithmetic.
+
+Non-finite gradient elements are skipped by every rule: that element's parameter and states keep their values
+(up to requantization of its block) and nothing else in its block changes. This is bitsandbytes' policy, except
+that we keep the element's state rather than zeroing it. An element whose new state would overflow the state's
+dtype is skipped the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+
+from torchao_optim.quant.rounding import stochastic_round_bf16
+
+__all__ = ["FusedRule", "finite_grad", "store_param"]
+
+
+@dataclass(frozen=True)
+class FusedRule:
+    """An update rule as the fused kernels take it.
+
+    Args:
+        name (str): the rule's name, for messages.
+        state_keys (Tuple[str, ...]): the states it reads and writes, in the kernels' order. Their number picks the
+            kernel family: one state, the one-state Triton kernel (``kernels/triton_momentum.py``); two, the
+            two-state one (``kernels/triton_adam.py``).
+        signed (Tuple[bool, ...]): per state, whether it may hold a negative value (the unsigned codebook serves
+            a state that cannot).
+        coefficient_names (Tuple[str, ...]): the columns of its per-step coefficient rows; the one-state kernel
+            reads 4, the two-state kernel 7.
+        coefficients (Callable): ``(steps, hyperparams, option) -> rows``: float64 ``steps.shape +
+            (n_coefs,)`` from advanced step counts and the group's hyperparameter tensor, once per step.
+        option (str, optional): the launch setting its element updates take as their one constant (``OPTION``),
+            and its coefficient function as ``option``: Adam's ``"decoupled"``, SGD's ``"nesterov"``. Default: None.
+        triton_update (Callable, optional): returns its element update, a ``@triton.jit`` function the Triton
+            kernel family of its states takes as a constexpr (Triton is imported then, not before): one state,
+            ``(p, g, s, coefs, OPTION, PTX) -> (p, s)``; two, ``(p, g, m, v, coefs, OPTION, PTX) -> (p, m, v)``;
+            fp32 tiles, the gradient already negated for ``maximize``. Default: None (no Triton kernel runs it).
+        triton_coefficients (Callable, optional): returns a Triton kernel ``(steps, hyperparams, coefs, n, OPTION,
+            N_POW2, PDL)`` that advances ``n`` step counts and writes their rows in one launch, for every plan of a
+            group on a device. Default: None (the rows come from ``coefficients``, in torch).
+        c_name (str, optional): the name of its update in the C step's table of rules (``kernels/cpu_step.c``).
+            Default: None (the C step does not run it).
+    """
+
+    name: str
+    state_keys: Tuple[str, ...]
+    signed: Tuple[bool, ...]
+    coefficient_names: Tuple[str, ...]
+    coefficients: Callable[..., torch.Tensor]
+    option: Optional[str] = None
+    triton_update: Optional[Callable[[], Any]] = None
+    triton_coefficients: Optional[Callable[[], Any]] = None
+    c_name: Optional[str] = None
+
+    def __post_init__(self):
+        if len(self.signed) != len(self.state_keys):
+            raise ValueError(f"rule {self.name!r}: {len(self.state_keys)} state keys {self.state_keys} but "
+                             f"{len(self.signed)} signs {self.signed}")
+
+    @property
+    def n_coefs(self) -> int:
+        """Columns of its coefficient rows."""
+        return len(self.coefficient_names)
+
+
+def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):
+    """``(g, finite)``: the gradient in ``dtype`` (negated with ``maximize``) with its non-finite elements set
+    to 0, and where they were finite: every rule skips the others (parameter and state keep their values)."""
+    g = grad.to(dtype)
+    if maximize:
+        g = -g
+    finite = torch.isfinite(g)
+    return torch.where(finite, g, 0.0), finite
+
+
+def store_param(param: torch.Tensor, value: torch.Tensor, round_key: Optional[torch.Tensor]) -> None:
+    """``param.copy_(value)``; a bf16 ``param`` with a ``round_key`` (int64 ``(key, element offset)``, see
+    :mod:`torchao_optim.quant.rounding`) is written with stochastic rounding instead of round-to-nearest."""
+    if round_key is not None and param.dtype == torch.bfloat16:
+        value = stochastic_round_bf16(value.to(torch.float32), round_key[0], round_key[1])
+    param.copy_(value)
