@@ -128,6 +128,16 @@ class TestFourBitRank1(StateFormatTestCase):
         self.assertTrue(torch.equal(old.dequantize(), q.dequantize()))
         old.check_fields()
 
+    def test_rank1_loaded_state_keeps_its_layout(self):
+        # a checkpoint's state laid out as a new one would be keeps its codes (rows follows from the shape)
+        q = FourBitRank1Tensor.zeros((6, 300), signed=False)
+        self.assertTrue(FourBitRank1Tensor.matches_layout(q, signed=False, block_size=128))
+        self.assertFalse(FourBitRank1Tensor.matches_layout(q, signed=False, block_size=64))
+        blockwise = FourBitRank1Tensor.zeros((6, 300), signed=False, rows=0)
+        self.assertFalse(FourBitRank1Tensor.matches_layout(blockwise, signed=False, block_size=128))
+        self.assertTrue(FourBitRank1Tensor.matches_layout(FourBitRank1Tensor.zeros((6, 300), signed=True),
+                                                          signed=True, block_size=128))
+
     def test_rank1_refuses_row_slices_and_bad_rows(self):
         q = FourBitRank1Tensor.from_float(torch.rand(8, 512), signed=False)
         with self.assertRaisesRegex(NotImplementedError, "rows=8"):

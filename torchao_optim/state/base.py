@@ -150,6 +150,15 @@ class QuantizedState(torch.Tensor):
         return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
 
     @classmethod
+    def matches_layout(cls, value: "QuantizedState", *, signed: bool, block_size: int) -> bool:
+        """Whether ``value`` (a state loaded from a checkpoint, of the parameter's shape) is laid out exactly as this
+        format stores a new state for an optimizer that asks for ``signed`` and ``block_size``: then its codes are
+        kept as they are (exact resume); otherwise it is dequantized and quantized anew. The default compares the
+        attributes; a format whose attributes also follow from the shape (a scale per row, not per block of
+        ``block_size``) overrides it, and must, or each load requantizes its states."""
+        return type(value) is cls and value.attrs() == cls._attrs(signed=signed, block_size=block_size)
+
+    @classmethod
     def check_values(cls, x: torch.Tensor, **attrs) -> None:
         """Raise ValueError if ``x`` holds values these ``attrs`` cannot represent (called by ``from_float``;
         an unsigned format refuses negative values rather than storing their magnitude)."""
