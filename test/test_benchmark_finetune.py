@@ -155,15 +155,19 @@ def test_command_line_error_is_one_line_without_traceback():
     assert proc.stderr.startswith("benchmark_adam_8bit.py: error: unknown optimizer 'nope'")
 
 
-def test_help_lists_every_optimizer(capsys):
+@pytest.mark.parametrize("columns", ["40", "80", "200"])
+def test_help_lists_every_optimizer(capsys, monkeypatch, columns):
+    # argparse wraps the help to the terminal's width (COLUMNS), and breaks lines at hyphens too (a long name
+    # such as AdamW-powerlaw8 across two lines): the names are looked for in the help without its whitespace
+    monkeypatch.setenv("COLUMNS", columns)
     with pytest.raises(SystemExit) as info:
         bench.get_parser().parse_args(["--help"])
     assert info.value.code == 0
-    out = " ".join(capsys.readouterr().out.split())
+    out = "".join(capsys.readouterr().out.split())
     for name in bench.optimizer_names():
         if "-test_" in name:  # formats other test modules register in this process; --help is built without them
             continue
-        assert name in out
+        assert name in out, f"{name} is not in --help (COLUMNS={columns})"
 
 
 # ---- learning rate, data --------------------------------------------------------------------------------

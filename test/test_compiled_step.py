@@ -5,6 +5,8 @@ The step is traced as one ``torchao_optim::step_`` operator per parameter group:
 optimizer stepped eagerly, on every executor (the fused CPU step and the per-parameter compiled path here; the
 fused CUDA kernels, also under CUDA-graph capture with ``mode="reduce-overhead"``, where a GPU is).
 """
+import warnings
+
 import pytest
 import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
@@ -144,3 +146,29 @@ def test_traced_step_is_one_operator_call_per_group():
     calls = [n.target for n in graph.graph.nodes
              if n.op == "call_function" and n.target is not torch._C._set_grad_enabled]  # no_grad's enter and exit
     assert calls == [torch.ops.torchao_optim.step_] * 2, calls
+
+
+def test_compiled_path_serves_every_parameter_under_a_compiled_step():
+    """A user's torch.compile of the step marks every tensor of the optimizer a static address (torch's optimizer
+    support, for CUDA graphs), and dynamo guards on the identity of such an input: the per-parameter compiled
+    update would compile once per parameter, and after the recompile limit (8) run eagerly for good. Ten
+    parameters of one shape on the compiled path share one graph, and the step stays compiled."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Linear(32, 32, bias=False) for _ in range(10)])
+    opt = torchao_optim.AdamW8bit(m.parameters(), min_quant_size=0, fused=False)
+    x = torch.randn(4, 32)
+
+    @fresh_function
+    def step():
+        opt.step()
+
+    compiled = torch.compile(step, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # falling back to eager mode warns
+        for _ in range(2):
+            backward(m, x)
+            compiled()
+            opt.zero_grad()
+    assert opt._update.enabled
+    codes = [opt.state[p]["exp_avg"].codes for p in m.parameters()]
+    assert all(hasattr(c, "_dynamo_static_input_type") for c in codes)  # what the user's compile marked

@@ -198,8 +198,7 @@ def _checked_sharded_moment(optimizer, p: Tensor, fmt, block_size, key: str, val
             value.check_fields()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        same = fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(
-            signed=optimizer._signed(key), block_size=block_size)
+        same = fmt is not None and fmt.matches_layout(value, signed=optimizer._signed(key), block_size=block_size)
         # the same layout: this rank's rows are whole blocks of it (an exact slice); otherwise convert
         value = local_part(p, value if same else value.dequantize(torch.float32))
     else:
@@ -221,8 +220,7 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
             value.check_fields()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        if fmt is not None and type(value) is fmt and value.attrs() == fmt._attrs(signed=signed,
-                                                                                    block_size=block_size):
+        if fmt is not None and fmt.matches_layout(value, signed=signed, block_size=block_size):
             # the layout this optimizer uses: the codes are kept as they are (exact resume)
             return value.to(device=device, dtype=torch.float32, copy=True)
         value = value.dequantize(torch.float32)

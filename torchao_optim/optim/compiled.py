@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, Hashable, Optional
 
 import torch
 
+from torchao_optim.state import QuantizedState
+
 __all__ = ["compiled", "COMPILE_OPTIONS", "CompiledOrEager", "configuration_key"]
 
 COMPILE_OPTIONS = {
@@ -97,6 +99,27 @@ class _raise_on_recompile_limit:
         return False
 
 
+# Set on a tensor by torch._dynamo.mark_static_address: a user's torch.compile of a training step marks every
+# parameter and state tensor of the optimizer so (torch._dynamo's optimizer support, for CUDA graphs).
+_STATIC_MARK = "_dynamo_static_input_type"
+
+
+def _unmarked(a):
+    """``a``, or, where ``a`` (or an inner tensor of a quantized state) is marked a static address, the same
+    storage through a new tensor object without the mark. Dynamo guards on the identity of a marked input, so
+    the update compiled for one parameter would compile again for each other one, and after the recompile limit
+    (8) run eagerly for good."""
+    if isinstance(a, QuantizedState):
+        fields = a.fields()
+        if not any(hasattr(v, _STATIC_MARK) for v in fields.values()):
+            return a
+        return a._new({k: _unmarked(v) for k, v in fields.items()})
+    if not isinstance(a, torch.Tensor) or not hasattr(a, _STATIC_MARK):
+        return a
+    out = a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), a.shape, a.stride())
+    return out.requires_grad_(a.requires_grad)
+
+
 _COMPILED: Dict[Hashable, Callable] = {}
 
 
@@ -128,7 +151,7 @@ class CompiledOrEager:
             return self.fn(*args, **kwargs)
         try:
             with _raise_on_recompile_limit():
-                return fn(*args, **kwargs)
+                return fn(*map(_unmarked, args), **{k: _unmarked(v) for k, v in kwargs.items()})
         except _compile_errors() as err:
             out = self.fn(*args, **kwargs)  # raises if the input, not the compiler, is at fault
             self.enabled = False

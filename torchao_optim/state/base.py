@@ -150,6 +150,15 @@ class QuantizedState(torch.Tensor):
         return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
 
     @classmethod
+    def matches_layout(cls, value: "QuantizedState", *, signed: bool, block_size: int) -> bool:
+        """Whether ``value`` (a state loaded from a checkpoint, of the parameter's shape) is laid out exactly as this
+        format stores a new state for an optimizer that asks for ``signed`` and ``block_size``: then its codes are
+        kept as they are (exact resume); otherwise it is dequantized and quantized anew. The default compares the
+        attributes; a format whose attributes also follow from the shape (a scale per row, not per block of
+        ``block_size``) overrides it, and must, or each load requantizes its states."""
+        return type(value) is cls and value.attrs() == cls._attrs(signed=signed, block_size=block_size)
+
+    @classmethod
     def check_values(cls, x: torch.Tensor, **attrs) -> None:
         """Raise ValueError if ``x`` holds values these ``attrs`` cannot represent (called by ``from_float``;
         an unsigned format refuses negative values rather than storing their magnitude)."""
@@ -240,12 +249,23 @@ class QuantizedState(torch.Tensor):
         return (_rebuild, (type(self), tuple(self.shape), self.dtype, self.fields(), self.attrs()))
 
     def _stable_hash_for_caching(self) -> str:
-        # inductor's FX graph cache key: everything that decides a compiled graph (format, attributes, outer
-        # shape, stride and dtype, each inner tensor's dtype and shape), never the data. Leaving out the shape
-        # let a graph compiled for one shape be handed to another.
-        inner = ",".join(f"{k}:{v.dtype}{tuple(v.shape)}" for k, v in self.fields().items())
-        return (f"{type(self).__module__}.{type(self).__qualname__}({self.attrs()},{tuple(self.shape)},"
-                f"{tuple(self.stride())},{self.dtype},{self.device.type},{inner})")
+        # The compile caches' key (AOTAutograd's, which hands over inductor's graph): everything that decides a
+        # compiled graph (format, attributes, outer shape, stride and dtype, each inner tensor's dtype and shape),
+        # never the data. Leaving out the shape let a graph compiled for one shape be handed to another.
+        fields = self.fields()
+        inner = ",".join(f"{k}:{v.dtype}{tuple(v.shape)}" for k, v in fields.items())
+        key = (f"{type(self).__module__}.{type(self).__qualname__}({self.attrs()},{tuple(self.shape)},"
+               f"{tuple(self.stride())},{self.dtype},{self.device.type},{inner})")
+        # Traced with symbolic sizes, the key names sizes by symbol, and a cache hit re-checks only the guards on
+        # the graph's size arguments: the symbols of the outer shape. A size that only an inner tensor has (the
+        # row count of 4bit_rank1, the length of its row and column maxima; the block count of a flat state) is
+        # no argument, so a graph specialized on it (rows equal to the block count) would be handed to every
+        # state with the same symbols. Such a key also names every size by its value.
+        outer = _symbols(tuple(self.shape) + tuple(self.stride()))
+        if any(not _symbols(tuple(v.shape)) <= outer for v in fields.values()):
+            sizes = [_hint(tuple(self.shape))] + [_hint(tuple(v.shape)) for v in fields.values()]
+            key += f" sizes {sizes}"
+        return key
 
     def __repr__(self):
         attrs = "".join(f", {k}={v!r}" for k, v in self.attrs().items())
@@ -267,6 +287,16 @@ class QuantizedState(torch.Tensor):
                 f"to the op table: see docs/state_formats.md, 'Adding an op'."
             )
         return impl(func, args, kwargs)
+
+
+def _symbols(sizes) -> set:
+    """The free symbols of the symbolic sizes among ``sizes`` (none for plain ints)."""
+    return set().union(*(s.node.expr.free_symbols for s in sizes if isinstance(s, torch.SymInt)))
+
+
+def _hint(sizes) -> tuple:
+    """``sizes`` with each symbolic size replaced by the value it was traced with (no guard is added)."""
+    return tuple(s.node.hint if isinstance(s, torch.SymInt) else s for s in sizes)
 
 
 def _rebuild(cls, shape, dtype, fields, attrs):

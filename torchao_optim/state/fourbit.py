@@ -150,6 +150,12 @@ class FourBitRank1Tensor(FourBitTensor):
         return dict(super()._attrs(**attrs), rows=0 if rows is None else rows)
 
     @classmethod
+    def matches_layout(cls, value, *, signed, block_size) -> bool:
+        # rows follows from the shape, as for a new state of it
+        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size)))
+        return type(value) is cls and value.attrs() == expected
+
+    @classmethod
     def check_attrs(cls, shape, **attrs) -> None:
         super().check_attrs(shape, **attrs)
         rows, numel = attrs["rows"], torch.Size(shape).numel()

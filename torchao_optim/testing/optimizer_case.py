@@ -28,7 +28,7 @@ from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim import Adam, AdamW
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState, get_state_format
-from torchao_optim.testing.compare import assert_same_tensor, save_load
+from torchao_optim.testing.compare import Failures, assert_same_tensor, save_load
 
 __all__ = ["OptimizerConformanceCase", "EXECUTORS", "compiled_or_eager"]
 
@@ -135,6 +135,10 @@ class OptimizerConformanceCase(expecttest.TestCase):
                 sched.step()
 
     # ---- assertions -------------------------------------------------------------------------------------
+    def failures(self) -> Failures:
+        """A :class:`~torchao_optim.testing.compare.Failures` naming this case's format and executor."""
+        return Failures(self, f"format {self.format_name!r}, executor {self.executor!r}")
+
     def step_with_bad_gradients(self, bad):
         """Two runs A and B, one step each on the same gradients; then a second step where A's gradients hold
         ``bad`` (per parameter, (flat index, value) pairs) and B's do not. Returns ``(a, b, opt_a, opt_b,
@@ -157,29 +161,35 @@ class OptimizerConformanceCase(expecttest.TestCase):
         return list(params)
 
     def assertExecutorUsed(self, opt, params):
+        context = f"format {self.format_name!r}, executor {self.executor!r}"
         if self.executor not in ("compiled", "eager"):
             plans = opt._plans[id(opt.param_groups[0])]
             fused = {id(p) for p in self.fusable(params)}
             self.assertEqual([params[i].shape for i in plans["rest"]],
-                             [p.shape for p in params if id(p) not in fused], "left to the compiled path")
-            self.assertEqual({id(p) for plan in plans["plans"] for p in plan.params}, fused)
+                             [p.shape for p in params if id(p) not in fused], f"{context}: left to the compiled path")
+            self.assertEqual({id(p) for plan in plans["plans"] for p in plan.params}, fused,
+                             f"{context}: the parameters the fused plans cover")
             self.assertEqual({plan.executor for plan in plans["plans"]},
-                             {"cpu" if self.executor == "cpu" else "triton"})
+                             {"cpu" if self.executor == "cpu" else "triton"}, f"{context}: the plans' executor")
         else:
-            self.assertEqual(opt._plans, {})
-            self.assertEqual(opt._update.enabled, self.executor == "compiled", "compiled or eager as asked")
+            self.assertEqual(opt._plans, {}, f"{context}: fused plans")
+            self.assertEqual(opt._update.enabled, self.executor == "compiled", f"{context}: compiled or eager as asked")
 
     def assertFollows(self, opt, ours, ref, lr_sum, what=""):
-        """``ours`` within ``parity_tolerance`` of ``ref`` (fp32 state: within fp32 rounding)."""
-        for p, q in zip(ours, ref):
-            err = (p.detach() - q.detach()).abs()
-            where = f"{what} shape {tuple(p.shape)}: mean {err.mean() / lr_sum:.3g}, max {err.max() / lr_sum:.3g}"
-            if isinstance(opt.state[p]["exp_avg"], QuantizedState):
-                mean_bound, max_bound = self.parity_tolerance
-                self.assertLessEqual(err.mean().item(), mean_bound * lr_sum, where)
-                self.assertLessEqual(err.max().item(), max_bound * lr_sum, where)
-            else:
-                self.assertLessEqual(err.max().item(), FP32_REL * q.abs().max().item(), where)
+        """``ours`` within ``parity_tolerance`` of ``ref`` (fp32 state: within fp32 rounding), every parameter
+        checked and every one outside its bound reported."""
+        with self.failures() as check:
+            for p, q in zip(ours, ref):
+                err = (p.detach() - q.detach()).abs()
+                where = f"{what}, shape {tuple(p.shape)}:"
+                if isinstance(opt.state[p]["exp_avg"], QuantizedState):
+                    mean_bound, max_bound = self.parity_tolerance
+                    check.at_most(err.mean() / lr_sum, mean_bound, f"{where} mean |p - p_ref| / sum(lr)")
+                    check.at_most(err.max() / lr_sum, max_bound, f"{where} max |p - p_ref| / sum(lr)")
+                else:
+                    scale = q.abs().max().item()
+                    check.at_most(err.max() / max(scale, 1e-30), FP32_REL,
+                                  f"{where} (fp32 state) max |p - p_ref| / max |p_ref|")
 
     def assertBitEqual(self, a, b, what):
         assert_same_tensor(self, a, b, what)
@@ -206,13 +216,16 @@ class OptimizerConformanceCase(expecttest.TestCase):
         opt = self.optimizer(params)
         self.train(opt, params, 1)
         self.assertExecutorUsed(opt, params)
-        for p in params:
-            quantized = self.format_name != "none" and p.numel() >= self.min_quant_size
-            for key in ("exp_avg", "exp_avg_sq"):
-                state = opt.state[p][key]
-                what = f"{key} of shape {tuple(p.shape)}"
-                self.assertIs(type(state), get_state_format(self.format_name) if quantized else torch.Tensor, what)
-                self.assertEqual((state.shape, state.dtype, state.device), (p.shape, torch.float32, p.device), what)
+        with self.failures() as check:
+            for p in params:
+                quantized = self.format_name != "none" and p.numel() >= self.min_quant_size
+                for key in ("exp_avg", "exp_avg_sq"):
+                    state = opt.state[p][key]
+                    what = f"{key} of shape {tuple(p.shape)}"
+                    check.values(type(state), get_state_format(self.format_name) if quantized else torch.Tensor,
+                                 f"{what}: type")
+                    check.values((state.shape, state.dtype, state.device), (p.shape, torch.float32, p.device),
+                                 f"{what}: shape, dtype, device")
 
     def test_adamw_matches_torch_adamw(self):
         """AdamW (decoupled weight decay) against torch.optim.AdamW on the same gradients."""
@@ -249,13 +262,18 @@ class OptimizerConformanceCase(expecttest.TestCase):
         self.train(opt, first, 2, start=2, sched=sched)
         self.train(opt2, resumed, 2, start=2, sched=sched2)
         self.assertExecutorUsed(opt2, resumed)
-        self.assertEqual(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"])
+        with self.failures() as check:
+            check.values(opt2.param_groups[0]["lr"], opt.param_groups[0]["lr"], "lr after resuming")
+            self.check_resumed(check, opt2, resumed, opt, first)
+
+    def check_resumed(self, check, opt2, resumed, opt, first):
+        """Every resumed parameter, and every state of it, bit-identical to the run that went on."""
         for p, q in zip(resumed, first):
             what = f"shape {tuple(p.shape)}"
-            self.assertTrue(torch.equal(p, q), what)
-            self.assertEqual(set(opt2.state[p]), set(opt.state[q]), what)
-            for key in opt.state[q]:
-                self.assertBitEqual(opt2.state[p][key], opt.state[q][key], f"{what} {key}")
+            check.same(p.detach(), q.detach(), f"{what}: the resumed parameter against the one that went on")
+            if check.values(set(opt2.state[p]), set(opt.state[q]), f"{what}: state keys"):
+                for key in opt.state[q]:
+                    check.same(opt2.state[p][key], opt.state[q][key], f"{what}: {key}")
 
     def test_non_finite_gradient_stays_in_its_element(self):
         """Run A sees NaN/+-Inf gradient elements, run B finite values there, after the same history. A new
@@ -266,41 +284,57 @@ class OptimizerConformanceCase(expecttest.TestCase):
         error of each, and the bad element within one of its old value."""
         bad = [((3, NAN), (200, INF), (263, -INF)), ((5, NAN), (290, INF)), ((10, NAN),)]  # (flat index, value)
         a, b, oa, ob, before = self.step_with_bad_gradients(bad)
-        for p, q, hits, (p0, s0) in zip(a, b, bad, before):
-            what = f"shape {tuple(p.shape)}"
-            idx = torch.tensor([i for i, _ in hits], device=p.device)
-            others = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
-            others[idx] = False
-            self.assertTrue(torch.equal(p.view(-1)[idx], p0.view(-1)[idx]), f"{what}: a bad element moved")
-            self.assertTrue(torch.equal(p.view(-1)[others], q.view(-1)[others]), f"{what}: other elements")
-            self.assertEqual(float(oa.state[p]["step"]), 2.0)
-            for key in ("exp_avg", "exp_avg_sq"):
-                sa, sb = oa.state[p][key], ob.state[q][key]
-                fa, fb, f0 = (x.reshape(-1) for x in (_as_float(sa), _as_float(sb), s0[key]))
-                self.assertTrue(torch.isfinite(fa).all(), f"{what} {key}")
-                if not isinstance(sa, QuantizedState):
-                    self.assertTrue(torch.equal(fa[idx], f0[idx]) and torch.equal(fa[others], fb[others]), key)
-                    continue
-                n_blocks = math.ceil(p.numel() / sa.block_size)
-                if any(getattr(sa, name).numel() != n_blocks for name in sa.blockwise_fields):
-                    continue  # scales that are not per block (rank-1): the parameter-level checks above hold
-                frac, scale_a = self.requant_bound(sa, signed=key == "exp_avg")
-                scale_b = self.requant_bound(sb, signed=key == "exp_avg")[1]
-                block = torch.arange(p.numel(), device=p.device) // sa.block_size
-                hit = torch.zeros(math.ceil(p.numel() / sa.block_size), dtype=torch.bool, device=p.device)
-                hit[idx // sa.block_size] = True
-                clean = ~hit[block]
-                for name in sa.data_fields():  # per element (packed codes: several per entry) or per block
-                    x, y = getattr(sa, name), getattr(sb, name)
-                    keep = ~hit if name in sa.blockwise_fields else clean[:: math.ceil(p.numel() / x.numel())]
-                    self.assertTrue(torch.equal(x[keep], y[keep]), f"{what} {key}.{name}: a clean block")
-                self.assertTrue(torch.isfinite(scale_a).all(), f"{what} {key}")
-                bound = frac * (scale_a + scale_b)[block] * ROUNDING
-                self.assertTrue(((fa - fb).abs() <= bound)[others].all(), f"{what} {key}: others in a hit block")
-                self.assertTrue(((fa - f0).abs()[idx] <= frac * scale_a[block[idx]] * ROUNDING).all(),
-                                f"{what} {key}: the bad element's state moved")
+        with self.failures() as check:
+            for p, q, hits, (p0, s0) in zip(a, b, bad, before):
+                what = f"shape {tuple(p.shape)}"
+                idx = torch.tensor([i for i, _ in hits], device=p.device)
+                others = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
+                others[idx] = False
+                check.equal(p.view(-1)[idx], p0.view(-1)[idx], f"{what}: the bad elements (they must not move)")
+                check.equal(p.view(-1)[others], q.view(-1)[others], f"{what}: the other elements, against run B")
+                check.values(float(oa.state[p]["step"]), 2.0, f"{what}: step")
+                for key in ("exp_avg", "exp_avg_sq"):
+                    self.check_contained(check, f"{what} {key}", oa.state[p][key], ob.state[q][key], s0[key], idx,
+                                         others, signed=key == "exp_avg")
         self.train(oa, a, 1, start=2)  # and training goes on
-        self.assertTrue(all(torch.isfinite(p).all() for p in a))
+        with self.failures() as check:
+            for p in a:
+                check.that(torch.isfinite(p).all(), f"shape {tuple(p.shape)}: a non-finite parameter element a "
+                                                    f"step later")
+
+    def check_contained(self, check, what, sa, sb, s0, idx, others, signed):
+        """A state ``sa`` of run A after the step with bad gradient elements at ``idx``, against ``sb`` of run B
+        and ``s0``, A's state (as fp32) before that step: see test_non_finite_gradient_stays_in_its_element."""
+        fa, fb, f0 = (x.reshape(-1) for x in (_as_float(sa), _as_float(sb), s0))
+        if not check.that(torch.isfinite(fa).all(), f"{what}: {int((~torch.isfinite(fa)).sum())} non-finite "
+                                                     f"elements, expected none"):
+            return
+        if not isinstance(sa, QuantizedState):
+            check.equal(fa[idx], f0[idx], f"{what}: the bad elements' state (it must not move)")
+            check.equal(fa[others], fb[others], f"{what}: the other elements' state, against run B")
+            return
+        numel = fa.numel()
+        n_blocks = math.ceil(numel / sa.block_size)
+        if any(getattr(sa, name).numel() != n_blocks for name in sa.blockwise_fields):
+            return  # scales that are not per block (rank-1): the parameter-level checks hold
+        frac, scale_a = self.requant_bound(sa, signed)
+        scale_b = self.requant_bound(sb, signed)[1]
+        block = torch.arange(numel, device=fa.device) // sa.block_size
+        hit = torch.zeros(n_blocks, dtype=torch.bool, device=fa.device)
+        hit[idx // sa.block_size] = True
+        clean = ~hit[block]
+        for name in sa.data_fields():  # per element (packed codes: several per entry) or per block
+            x, y = getattr(sa, name), getattr(sb, name)
+            keep = ~hit if name in sa.blockwise_fields else clean[:: math.ceil(numel / x.numel())]
+            check.equal(x[keep], y[keep], f"{what}.{name}: the blocks without a bad element, against run B")
+        check.that(torch.isfinite(scale_a).all(), f"{what}: a non-finite scale")
+        bound = frac * (scale_a + scale_b)[block] * ROUNDING
+        excess = ((fa - fb).abs() / bound.clamp_min(1e-30))[others]
+        check.that((excess <= 1).all(), f"{what}: the other elements of a block with a bad one differ from run B by "
+                                         f"up to {excess.max().item():.4g} of the bound (two requantization errors)")
+        moved = (fa - f0).abs()[idx] / (frac * scale_a[block[idx]] * ROUNDING).clamp_min(1e-30)
+        check.that((moved <= 1).all(), f"{what}: the bad elements' state moved by up to {moved.max().item():.4g} of "
+                                       f"the bound (one requantization error)")
 
     def test_lr_schedule_without_recompiles(self):
         """A float lr assigned to ``group["lr"]`` every step, then a tensor lr changed in place, then lr 0: each
@@ -326,7 +360,8 @@ class OptimizerConformanceCase(expecttest.TestCase):
         opt.param_groups[0]["lr"] = 0.0
         still = [p.detach().clone() for p in ours]
         self.train(opt, ours, 1, start=len(schedule))
-        self.assertEqual(_graphs(), graphs, "an lr change compiled a new graph")
-        for p, p0 in zip(ours, still):
-            self.assertTrue(torch.equal(p, p0), "lr 0 moved a parameter")
-            self.assertEqual(float(opt.state[p]["step"]), len(schedule) + 1)
+        with self.failures() as check:
+            check.values(_graphs() - graphs, 0, "graphs compiled after the first lr change")
+            for p, p0 in zip(ours, still):
+                check.equal(p.detach(), p0, f"shape {tuple(p.shape)}: lr 0 (it must not move)")
+                check.values(float(opt.state[p]["step"]), len(schedule) + 1, f"shape {tuple(p.shape)}: step")
