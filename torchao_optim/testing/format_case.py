@@ -303,9 +303,10 @@ class StateFormatTestCase(expecttest.TestCase):
     def test_slice_bounds_are_clamped_as_torch_clamps_them(self):
         # negative bounds count from the end and stop at the start, bounds past either end are clamped, an end
         # before the start is empty (wherever it lies), and a step that selects at most one row is that row
-        q = self.quantize(self.sample(512))
-        rows = self.quantize(self.sample(4, 256))
-        bounds = (None, -1000, -768, -512, -256, 0, 256, 512, 768, 1000)
+        u = max(self.block_size, 256)  # bounds on block boundaries: a quantized state is sliced in whole blocks
+        q = self.quantize(self.sample(2 * u))
+        rows = self.quantize(self.sample(4, u))
+        bounds = (None, -4 * u, -3 * u, -2 * u, -u, 0, u, 2 * u, 3 * u, 4 * u)
         cases = [(q, slice(a, b)) for a in bounds for b in bounds]
         cases += [(q, slice(300, 300)), (q, slice(300, 100)), (q, slice(-100, 5)),
                   (rows, slice(1, 3, 7)), (rows, slice(-7, 2)), (rows, slice(3, -9))]
