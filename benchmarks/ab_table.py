@@ -4,6 +4,7 @@ other's.
 
     python benchmarks/ab_table.py results/ab
 """
+
 from __future__ import annotations
 
 import glob
@@ -36,8 +37,10 @@ def main(out: str) -> None:
             continue
         (b, bh), (t, th) = trees["base"], trees["this"]
         mb, mt = statistics.median(b), statistics.median(t)
-        print(f"| {geo} | {dtype} | {name} | {mb:.3f} | {mt:.3f} | {mt / mb:.3f} | {statistics.median(bh):.3f} | "
-              f"{statistics.median(th):.3f} |")
+        print(
+            f"| {geo} | {dtype} | {name} | {mb:.3f} | {mt:.3f} | {mt / mb:.3f} | {statistics.median(bh):.3f} | "
+            f"{statistics.median(th):.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ only single-tensor steps work). For AdamW our own ``AdamW8bit`` is the yardstick
 
     PYTHONPATH=. python benchmarks/accuracy_any_optimizer.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,7 @@ OPTIMIZERS = {
     "SGD momentum 0.9": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, **kw),
     "SGD nesterov": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True, **kw),
     "RMSprop": lambda ps, **kw: torch.optim.RMSprop(ps, lr=1e-3, **kw),
-    "RMSprop centered momentum": lambda ps, **kw: torch.optim.RMSprop(ps, lr=1e-3, centered=True, momentum=0.9,
-                                                                      **kw),
+    "RMSprop centered momentum": lambda ps, **kw: torch.optim.RMSprop(ps, lr=1e-3, centered=True, momentum=0.9, **kw),
     "Adagrad": lambda ps, **kw: torch.optim.Adagrad(ps, lr=1e-2, **kw),
 }
 
@@ -82,16 +82,18 @@ def main(argv=None):
         ref = train(make(ps, foreach=False), ps, args.steps)
         row = [name]
         for foreach in (False, True):
-            opt = torchao_optim.quantize_optimizer_state(make(ps := params(), foreach=foreach), args.format,
-                                                         min_quant_size=4096)
-            row.append("%.2e / %.2e" % error(train(opt, ps, args.steps), ref))
+            opt = torchao_optim.quantize_optimizer_state(
+                make(ps := params(), foreach=foreach), args.format, min_quant_size=4096
+            )
+            row.append("{:.2e} / {:.2e}".format(*error(train(opt, ps, args.steps), ref)))
         ps = params()
-        row.append("%.2e / %.2e" % error(train(make(ps, foreach=False), ps, args.steps, args.format), ref))
+        row.append("{:.2e} / {:.2e}".format(*error(train(make(ps, foreach=False), ps, args.steps, args.format), ref)))
         if name == "AdamW":
             ps = params()
-            ours = torchao_optim.AdamW(ps, lr=1e-2, weight_decay=0.1, state_format=args.format, compile=False,
-                                       fused=False)
-            row.append("%.2e / %.2e" % error(train(ours, ps, args.steps), ref))
+            ours = torchao_optim.AdamW(
+                ps, lr=1e-2, weight_decay=0.1, state_format=args.format, compile=False, fused=False
+            )
+            row.append("{:.2e} / {:.2e}".format(*error(train(ours, ps, args.steps), ref)))
         else:
             row.append("")
         print("| " + " | ".join(row) + " |")

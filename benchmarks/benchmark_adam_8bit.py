@@ -12,6 +12,7 @@ Only torch and torchao_optim are imported at module level: timm, datasets, torch
 wandb and tqdm are imported when a run needs them, and a missing or broken one is reported as a one-line
 error (exit code 2), as is any other bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,8 +24,9 @@ import json
 import platform
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,15 +60,20 @@ def require(module: str, purpose: str):
         top = module.split(".")[0]
         pip_name = _PIP_NAMES.get(module, _PIP_NAMES.get(top, top))
         if err.name in (None, top, module):
-            raise BenchmarkError(f"{purpose} needs the '{pip_name}' package, which is not installed "
-                                 f"(pip install {pip_name})") from None
+            raise BenchmarkError(
+                f"{purpose} needs the '{pip_name}' package, which is not installed (pip install {pip_name})"
+            ) from None
         raise BenchmarkError(f"{purpose} needs '{pip_name}', which failed to import: {_first_line(err)}") from None
-    except Exception as err:  # e.g. timm's torchvision built for another torch: "operator torchvision::nms does not exist"
+    except (
+        Exception
+    ) as err:  # e.g. timm's torchvision built for another torch: "operator torchvision::nms does not exist"
         hint = ""
         if "torchvision" in str(err):
             hint = f"; install the torchvision release built for torch {torch.__version__.split('+')[0]}"
-        raise BenchmarkError(f"{purpose} needs '{module}', which is installed but failed to import "
-                             f"({type(err).__name__}: {_first_line(err)}){hint}") from None
+        raise BenchmarkError(
+            f"{purpose} needs '{module}', which is installed but failed to import "
+            f"({type(err).__name__}: {_first_line(err)}){hint}"
+        ) from None
 
 
 def _first_line(err: BaseException) -> str:
@@ -75,7 +82,7 @@ def _first_line(err: BaseException) -> str:
 
 
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
-def optimizer_names() -> List[str]:
+def optimizer_names() -> list[str]:
     return optimizers.names()
 
 
@@ -96,8 +103,9 @@ def check_optimizer(name: str) -> None:
         require(missing[0], f"--optim {name}")
 
 
-def make_optimizer(name: str, params: Iterable, lr: float, weight_decay: float = 0.0,
-                   compile: bool = True) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str, params: Iterable, lr: float, weight_decay: float = 0.0, compile: bool = True
+) -> torch.optim.Optimizer:
     """The optimizer ``--optim name`` selects, over ``params``; ``compile`` applies to torchao_optim's only."""
     check_optimizer(name)
     return optimizers.build(name, params, lr=lr, weight_decay=weight_decay, compile=compile)
@@ -145,7 +153,7 @@ class HFImages(torch.utils.data.Dataset):
 class FolderImages(torch.utils.data.Dataset):
     """(path, label) pairs read with PIL, with a transform."""
 
-    def __init__(self, samples: List[Tuple[str, int]], transform):
+    def __init__(self, samples: list[tuple[str, int]], transform):
         self.samples, self.transform = samples, transform
 
     def __len__(self) -> int:
@@ -159,7 +167,7 @@ class FolderImages(torch.utils.data.Dataset):
             return self.transform(image.convert("RGB")), label
 
 
-def scan_image_folder(root: Path, classes: Optional[List[str]] = None) -> Tuple[List[str], List[Tuple[str, int]]]:
+def scan_image_folder(root: Path, classes: list[str] | None = None) -> tuple[list[str], list[tuple[str, int]]]:
     """``root/<class>/<image>`` -> (sorted class names, [(path, class index)])."""
     found = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if classes is None:
@@ -201,11 +209,14 @@ def check_dataset(dataset: str) -> None:
     elif dataset != "synthetic":
         path = Path(dataset)
         if not path.exists():
-            raise BenchmarkError(f"dataset path {dataset!r} does not exist "
-                                 f"(--dataset takes 'resisc45', 'synthetic' or an image folder)")
+            raise BenchmarkError(
+                f"dataset path {dataset!r} does not exist (--dataset takes 'resisc45', 'synthetic' or an image folder)"
+            )
         if not path.is_dir():
-            raise BenchmarkError(f"dataset path {dataset!r} is not a folder (expected <path>/<class>/<image>, "
-                                 f"or <path>/train/<class>/ and <path>/val/<class>/)")
+            raise BenchmarkError(
+                f"dataset path {dataset!r} is not a folder (expected <path>/<class>/<image>, "
+                f"or <path>/train/<class>/ and <path>/val/<class>/)"
+            )
 
 
 def image_transforms(img_size: int, mean, std):
@@ -217,7 +228,7 @@ def image_transforms(img_size: int, mean, std):
     return train, val
 
 
-def load_splits(args) -> Tuple[int, Any, Any]:
+def load_splits(args) -> tuple[int, Any, Any]:
     """(number of classes, train split, validation split) before any transform: Hugging Face splits,
     lists of (path, label), or None for synthetic data."""
     if args.dataset == "synthetic":
@@ -228,19 +239,23 @@ def load_splits(args) -> Tuple[int, Any, Any]:
             train = datasets.load_dataset(RESISC45_ID, split="train")
             val = datasets.load_dataset(RESISC45_ID, split="validation")
         except Exception as err:
-            raise BenchmarkError(f"could not load the {RESISC45_ID} dataset ({type(err).__name__}: "
-                                 f"{_first_line(err)}); it needs internet access, or a local cache") from None
+            raise BenchmarkError(
+                f"could not load the {RESISC45_ID} dataset ({type(err).__name__}: "
+                f"{_first_line(err)}); it needs internet access, or a local cache"
+            ) from None
         return train.features["label"].num_classes, train, val
     classes, train, val = folder_splits(Path(args.dataset), args.seed)
     return len(classes), train, val
 
 
-def build_datasets(args, splits: Tuple[int, Any, Any], img_size: int, mean, std):
+def build_datasets(args, splits: tuple[int, Any, Any], img_size: int, mean, std):
     """(train set, validation set) of ``load_splits``'s splits, transformed for a model of ``img_size``."""
     n_classes, train, val = splits
     if args.dataset == "synthetic":
-        return (SyntheticImages(args.synthetic_train_size, n_classes, img_size, args.seed),
-                SyntheticImages(args.synthetic_val_size, n_classes, img_size, args.seed + 1))
+        return (
+            SyntheticImages(args.synthetic_train_size, n_classes, img_size, args.seed),
+            SyntheticImages(args.synthetic_val_size, n_classes, img_size, args.seed + 1),
+        )
     require("PIL", "reading images")
     train_tf, val_tf = image_transforms(img_size, mean, std)
     wrap = HFImages if args.dataset == "resisc45" else FolderImages
@@ -254,7 +269,7 @@ _TIMM_SOURCES = ("hf-hub:", "hf_hub:", "local-dir:")
 def timm_model_name(name: str) -> str:
     """``name`` as timm.create_model takes it: ``timm/<arch>.<tag>`` (the Hub id of timm's own weights)
     becomes ``<arch>.<tag>``, which timm resolves to the same weights."""
-    return name[len("timm/"):] if name.startswith("timm/") else name
+    return name[len("timm/") :] if name.startswith("timm/") else name
 
 
 def check_model(name: str):
@@ -264,29 +279,37 @@ def check_model(name: str):
     if name.startswith(_TIMM_SOURCES):
         return timm
     if "/" in name:
-        raise BenchmarkError(f"--model {name!r} is neither a timm model name nor timm/<name>; for another Hub "
-                             f"repo or a local folder write hf-hub:{name} or local-dir:{name}")
+        raise BenchmarkError(
+            f"--model {name!r} is neither a timm model name nor timm/<name>; for another Hub "
+            f"repo or a local folder write hf-hub:{name} or local-dir:{name}"
+        )
     arch = name.split(".")[0]
     if not timm.is_model(arch):
         raise _unknown("timm model", arch, timm.list_models(), show_all=False)
     return timm
 
 
-def build_model(name: str, n_classes: int, pretrained: bool, model_kwargs: Optional[Dict[str, Any]] = None):
+def build_model(name: str, n_classes: int, pretrained: bool, model_kwargs: dict[str, Any] | None = None):
     """A timm model with an ``n_classes`` head; ``name`` may carry the ``timm/`` prefix and a pretrained tag."""
     timm = check_model(name)
     try:
-        return timm.create_model(timm_model_name(name), pretrained=pretrained, num_classes=n_classes, **(model_kwargs or {}))
+        return timm.create_model(
+            timm_model_name(name), pretrained=pretrained, num_classes=n_classes, **(model_kwargs or {})
+        )
     except TypeError as err:
-        raise BenchmarkError(f"--model_kwargs {json.dumps(model_kwargs)} rejected by {name}: {_first_line(err)}") from None
+        raise BenchmarkError(
+            f"--model_kwargs {json.dumps(model_kwargs)} rejected by {name}: {_first_line(err)}"
+        ) from None
     except Exception as err:
         if not pretrained:
             raise
-        raise BenchmarkError(f"could not load pretrained {name} ({type(err).__name__}: {_first_line(err)}); "
-                             f"downloading weights needs internet access (or pass --no_pretrained)") from None
+        raise BenchmarkError(
+            f"could not load pretrained {name} ({type(err).__name__}: {_first_line(err)}); "
+            f"downloading weights needs internet access (or pass --no_pretrained)"
+        ) from None
 
 
-def model_data_config(model) -> Tuple[int, Tuple[float, ...], Tuple[float, ...]]:
+def model_data_config(model) -> tuple[int, tuple[float, ...], tuple[float, ...]]:
     """(image size, normalization mean, std) the model expects."""
     cfg = dict(getattr(model, "pretrained_cfg", None) or {})
     mean = tuple(cfg.get("mean", (0.5, 0.5, 0.5)))
@@ -300,7 +323,7 @@ def model_data_config(model) -> Tuple[int, Tuple[float, ...], Tuple[float, ...]]
 
 
 # ---- devices, precision, memory ---------------------------------------------------------------------
-def resolve_device(name: Optional[str]) -> torch.device:
+def resolve_device(name: str | None) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -316,11 +339,13 @@ def resolve_device(name: Optional[str]) -> torch.device:
 
 def check_amp(amp: str, device: torch.device) -> None:
     if amp == "fp16" and device.type != "cuda":
-        raise BenchmarkError(f"--amp fp16 (autocast with a GradScaler) needs CUDA, not {device.type}; "
-                             f"use --amp bf16 or --amp none")
+        raise BenchmarkError(
+            f"--amp fp16 (autocast with a GradScaler) needs CUDA, not {device.type}; use --amp bf16 or --amp none"
+        )
     if amp == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise BenchmarkError(f"--amp bf16 is not supported by {torch.cuda.get_device_name(device)}; "
-                             f"use --amp fp16 or --amp none")
+        raise BenchmarkError(
+            f"--amp bf16 is not supported by {torch.cuda.get_device_name(device)}; use --amp fp16 or --amp none"
+        )
 
 
 def autocast(amp: str, device: torch.device):
@@ -329,7 +354,7 @@ def autocast(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
 
 
-def peak_memory(device: torch.device) -> Tuple[float, str]:
+def peak_memory(device: torch.device) -> tuple[float, str]:
     """(GB, what was measured): CUDA's max allocated memory, else the process's peak resident set size."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9, "cuda_max_allocated"
@@ -385,7 +410,7 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def _json_object(text: str) -> Dict[str, Any]:
+def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as err:
@@ -399,43 +424,82 @@ def get_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="benchmark_adam_8bit.py",
         description="Fine-tune a timm model on resisc45 and compare optimizers on max memory, training time "
-                    "and validation accuracy. Results are appended to --results as JSON lines.",
+        "and validation accuracy. Results are appended to --results as JSON lines.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="timm model name, optionally with the timm/ prefix and a pretrained tag")
-    p.add_argument("--model_kwargs", type=_json_object, default={}, metavar="JSON",
-                   help='extra timm.create_model kwargs, e.g. \'{"img_size": 32, "depth": 2}\'')
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="timm model name, optionally with the timm/ prefix and a pretrained tag"
+    )
+    p.add_argument(
+        "--model_kwargs",
+        type=_json_object,
+        default={},
+        metavar="JSON",
+        help='extra timm.create_model kwargs, e.g. \'{"img_size": 32, "depth": 2}\'',
+    )
     p.add_argument("--no_pretrained", action="store_true", help="random initial weights (no download)")
-    p.add_argument("--amp", choices=["none", "bf16", "fp16"], default="bf16",
-                   help="autocast dtype; fp16 adds a GradScaler and needs CUDA")
-    p.add_argument("--optim", default="AdamWDTQ8bit", metavar="NAME",
-                   help="one of: " + "; ".join(f"{e.name} = {e.description}"
-                                               for e in optimizers.optimizer_table().values()))
-    p.add_argument("--no_optim_compile", action="store_true",
-                   help="run torchao_optim's optimizer updates eagerly instead of compiled")
+    p.add_argument(
+        "--amp",
+        choices=["none", "bf16", "fp16"],
+        default="bf16",
+        help="autocast dtype; fp16 adds a GradScaler and needs CUDA",
+    )
+    p.add_argument(
+        "--optim",
+        default="AdamWDTQ8bit",
+        metavar="NAME",
+        help="one of: " + "; ".join(f"{e.name} = {e.description}" for e in optimizers.optimizer_table().values()),
+    )
+    p.add_argument(
+        "--no_optim_compile",
+        action="store_true",
+        help="run torchao_optim's optimizer updates eagerly instead of compiled",
+    )
     p.add_argument("--lr", type=_non_negative_float, default=1e-4, help="learning rate (the peak, with a schedule)")
-    p.add_argument("--weight_decay", type=_non_negative_float, default=0.0,
-                   help="L2 penalty for the Adam optimizers, decoupled weight decay for the AdamW ones")
-    p.add_argument("--cosine_lr_scheduler", action="store_true",
-                   help="linear warm-up over --warmup_fraction of the steps, then cosine decay to 0")
-    p.add_argument("--warmup_fraction", type=_non_negative_float, default=0.05,
-                   help="fraction of the steps spent warming up, with --cosine_lr_scheduler")
+    p.add_argument(
+        "--weight_decay",
+        type=_non_negative_float,
+        default=0.0,
+        help="L2 penalty for the Adam optimizers, decoupled weight decay for the AdamW ones",
+    )
+    p.add_argument(
+        "--cosine_lr_scheduler",
+        action="store_true",
+        help="linear warm-up over --warmup_fraction of the steps, then cosine decay to 0",
+    )
+    p.add_argument(
+        "--warmup_fraction",
+        type=_non_negative_float,
+        default=0.05,
+        help="fraction of the steps spent warming up, with --cosine_lr_scheduler",
+    )
     p.add_argument("--n_epochs", type=_positive_int, default=10, help="passes over the training set")
     p.add_argument("--batch_size", type=_positive_int, default=64, help="images per optimizer step")
     p.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=2024, help="seeds the new head, the data order and synthetic data")
     p.add_argument("--n_workers", type=int, default=4, help="DataLoader worker processes")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--dataset", default="resisc45",
-                   help=f"'resisc45' (Hugging Face {RESISC45_ID}), 'synthetic' (random images and labels, "
-                        f"offline), or an image folder: <path>/<class>/<image> or <path>/{{train,val}}/<class>/<image>")
+    p.add_argument(
+        "--dataset",
+        default="resisc45",
+        help=f"'resisc45' (Hugging Face {RESISC45_ID}), 'synthetic' (random images and labels, "
+        f"offline), or an image folder: <path>/<class>/<image> or <path>/{{train,val}}/<class>/<image>",
+    )
     p.add_argument("--synthetic_train_size", type=_positive_int, default=1024, help="images in the synthetic train set")
-    p.add_argument("--synthetic_val_size", type=_positive_int, default=256, help="images in the synthetic validation set")
+    p.add_argument(
+        "--synthetic_val_size", type=_positive_int, default=256, help="images in the synthetic validation set"
+    )
     p.add_argument("--device", default=None, help="torch device; default cuda if available, else cpu")
-    p.add_argument("--profile", action="store_true",
-                   help=f"write a Chrome trace of the first {PROFILE_ITERATIONS} iterations (torch.profiler)")
-    p.add_argument("--profile_path", default=None,
-                   help="where --profile writes its trace; default trace-<run name>.json beside --results")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"write a Chrome trace of the first {PROFILE_ITERATIONS} iterations (torch.profiler)",
+    )
+    p.add_argument(
+        "--profile_path",
+        default=None,
+        help="where --profile writes its trace; default trace-<run name>.json beside --results",
+    )
     p.add_argument("--results", default=DEFAULT_RESULTS, help="JSON-lines file each run appends its summary to")
     p.add_argument("--log_interval", type=_positive_int, default=10, help="steps between loss records")
     p.add_argument("--project", default=None, help="log to this wandb project (needs wandb)")
@@ -443,7 +507,7 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate everything that needs no model: unknown names and missing packages fail here."""
     args = get_parser().parse_args(argv)
     check_optimizer(args.optim)
@@ -475,24 +539,33 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str) -> float:
 
 
 def make_loaders(args, train_set, val_set, device: torch.device):
-    common = dict(num_workers=args.n_workers, pin_memory=device.type == "cuda",
-                  persistent_workers=False)
-    train = torch.utils.data.DataLoader(train_set, batch_size=args.batch_size, shuffle=True, drop_last=True,
-                                        generator=torch.Generator().manual_seed(args.seed), **common)
+    common = dict(num_workers=args.n_workers, pin_memory=device.type == "cuda", persistent_workers=False)
+    train = torch.utils.data.DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=True,
+        drop_last=True,
+        generator=torch.Generator().manual_seed(args.seed),
+        **common,
+    )
     val = torch.utils.data.DataLoader(val_set, batch_size=args.batch_size, shuffle=False, **common)
     if len(train) == 0:
-        raise BenchmarkError(f"--batch_size {args.batch_size} is larger than the training set ({len(train_set)} images)")
+        raise BenchmarkError(
+            f"--batch_size {args.batch_size} is larger than the training set ({len(train_set)} images)"
+        )
     return train, val
 
 
-def train_and_evaluate(args, model: nn.Module, train_loader, val_loader, device: torch.device,
-                       wandb_run=None) -> Dict[str, Any]:
+def train_and_evaluate(
+    args, model: nn.Module, train_loader, val_loader, device: torch.device, wandb_run=None
+) -> dict[str, Any]:
     """Fine-tune ``model`` (already on ``device``) and evaluate after each epoch; the run's summary."""
     from tqdm import tqdm
 
     run_name = args.run_name or args.optim
-    optim = make_optimizer(args.optim, model.parameters(), args.lr, args.weight_decay,
-                           compile=not args.no_optim_compile)
+    optim = make_optimizer(
+        args.optim, model.parameters(), args.lr, args.weight_decay, compile=not args.no_optim_compile
+    )
     if args.compile:
         model = torch.compile(model)
     scaler = torch.amp.GradScaler(device.type) if args.amp == "fp16" else None
@@ -527,8 +600,8 @@ def train_and_evaluate(args, model: nn.Module, train_loader, val_loader, device:
 
     model.train()
     step, n_images, train_time = 0, 0, 0.0
-    loss_curve: List[Tuple[int, float]] = []
-    val_acc_per_epoch: List[float] = []
+    loss_curve: list[tuple[int, float]] = []
+    val_acc_per_epoch: list[float] = []
     interval_loss, interval_steps = torch.zeros((), device=device), 0
     last_loss = float("nan")
     bar = tqdm(total=total_steps, desc=run_name, dynamic_ncols=True)
@@ -568,8 +641,15 @@ def train_and_evaluate(args, model: nn.Module, train_loader, val_loader, device:
                 elapsed = train_time + time.perf_counter() - epoch_start
                 bar.set_postfix(loss=f"{last_loss:.4f}", imgs_per_s=f"{n_images / elapsed:.1f}")
                 if wandb_run is not None:
-                    wandb_run.log({"loss": last_loss, "lr": optim.param_groups[0]["lr"],
-                                   "imgs_per_s": n_images / elapsed, "epoch": epoch}, step=step)
+                    wandb_run.log(
+                        {
+                            "loss": last_loss,
+                            "lr": optim.param_groups[0]["lr"],
+                            "imgs_per_s": n_images / elapsed,
+                            "epoch": epoch,
+                        },
+                        step=step,
+                    )
             bar.update(1)
             if step >= total_steps:
                 break
@@ -619,24 +699,27 @@ def train_and_evaluate(args, model: nn.Module, train_loader, val_loader, device:
     }
 
 
-def summary_text(result: Dict[str, Any]) -> str:
-    return "\n".join([
-        f"== {result['run_name']}: {result['model']}, amp {result['amp']}, {result['steps']} steps on {result['device']} ==",
-        f"memory:        {result['memory_gb']:.2f} GB, {MEMORY_LABELS[result['memory_kind']]}",
-        f"training time: {format_duration(result['train_time_s'])} ({result['train_time_s']:.1f} s)",
-        f"throughput:    {result['throughput_imgs_s']:.1f} imgs/s",
-        f"val accuracy:  {result['val_acc']:.2%}",
-    ])
+def summary_text(result: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"== {result['run_name']}: {result['model']}, amp {result['amp']}, {result['steps']} steps on "
+            f"{result['device']} ==",
+            f"memory:        {result['memory_gb']:.2f} GB, {MEMORY_LABELS[result['memory_kind']]}",
+            f"training time: {format_duration(result['train_time_s'])} ({result['train_time_s']:.1f} s)",
+            f"throughput:    {result['throughput_imgs_s']:.1f} imgs/s",
+            f"val accuracy:  {result['val_acc']:.2%}",
+        ]
+    )
 
 
-def append_result(path: str, result: Dict[str, Any]) -> None:
+def append_result(path: str, result: dict[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a", encoding="utf-8") as f:
         f.write(json.dumps(result) + "\n")
 
 
-def run(args: argparse.Namespace) -> Dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, Any]:
     """One benchmark run from parsed arguments: build everything, train, record."""
     device = resolve_device(args.device)
     check_amp(args.amp, device)
@@ -661,7 +744,7 @@ def run(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         result = run(args)

@@ -13,7 +13,8 @@ Optimizers (``--optims``, comma separated):
 - ``AdamW-<format>``: ``torchao_optim.AdamW(..., state_format=<format>)``, for every registered format
   (``torchao_optim.list_state_formats()``) and ``none`` (fp32 state through our update);
 - ``bnb``: ``bitsandbytes.optim.AdamW8bit``; ``torchao``: ``torchao.optim.AdamW8bit`` (if installed);
-- ``SGD``/``SGD8bit``/``SGDTorchQuantized``, ``Lion``/``Lion8bit``, ``Muon``/``Muon8bit``, ``AdamWTorchQuantized``, ``SGDBnb8bit``,
+- ``SGD``/``SGD8bit``/``SGDTorchQuantized``, ``Lion``/``Lion8bit``, ``Muon``/``Muon8bit``, ``AdamWTorchQuantized``,
+  ``SGDBnb8bit``,
   ``LionBnb8bit``: the other optimizers against their fp32 forms (``*TorchQuantized``: a stock optimizer through
   ``quantize_optimizer_state``); see ``benchmarks/optimizers.py``.
 
@@ -30,6 +31,7 @@ Written under ``--out`` (default ``results/convergence``):
 Acceptance check, printed and saved: each optimizer's mean final validation loss is within AdamW's
 seed-to-seed spread: ``|mean - AdamW's mean| <= AdamW's range`` (range = max - min over at least two seeds).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,19 +42,20 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # gpt.py, stdlib_corpus.py, optimizers.py
 import optimizers  # noqa: E402  (the optimizer table every benchmark shares; puts this checkout first)
-import torchao_optim  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 from optimizers import lr_at, set_lr, state_nbytes  # noqa: E402,F401  (lr_at: part of this script's API)
 from stdlib_corpus import load_stdlib_corpus  # noqa: E402
+
+import torchao_optim  # noqa: E402
 
 REFERENCE = "AdamW"
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,6 +63,7 @@ ALIASES = {"AdamW8bit": "dtq8"}  # our named optimizers, and the state format ea
 
 
 # ---- model presets -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -72,22 +76,38 @@ class Preset:
     note: str
 
 
-PRESETS: Dict[str, Preset] = {
-    "tiny": Preset(GPTConfig(d_model=64, n_layer=2, n_head=2, context=64), steps=300, batch_size=16, lr=3e-3,
-                   note="tests and smoke runs"),
-    "small": Preset(GPTConfig(d_model=128, n_layer=3, n_head=4, context=64), steps=300, batch_size=16, lr=2e-3,
-                    note="the default: a few minutes on a 2-core CPU"),
-    "gpt10m": Preset(GPTConfig(d_model=384, n_layer=6, n_head=6, context=256), steps=3000, batch_size=32, lr=1e-3,
-                     note="a GPU"),
-    "gpt25m": Preset(GPTConfig(d_model=512, n_layer=8, n_head=8, context=256), steps=5000, batch_size=32, lr=6e-4,
-                     note="a GPU; about 25.6M parameters"),
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(
+        GPTConfig(d_model=64, n_layer=2, n_head=2, context=64),
+        steps=300,
+        batch_size=16,
+        lr=3e-3,
+        note="tests and smoke runs",
+    ),
+    "small": Preset(
+        GPTConfig(d_model=128, n_layer=3, n_head=4, context=64),
+        steps=300,
+        batch_size=16,
+        lr=2e-3,
+        note="the default: a few minutes on a 2-core CPU",
+    ),
+    "gpt10m": Preset(
+        GPTConfig(d_model=384, n_layer=6, n_head=6, context=256), steps=3000, batch_size=32, lr=1e-3, note="a GPU"
+    ),
+    "gpt25m": Preset(
+        GPTConfig(d_model=512, n_layer=8, n_head=8, context=256),
+        steps=5000,
+        batch_size=32,
+        lr=6e-4,
+        note="a GPU; about 25.6M parameters",
+    ),
 }
 
 
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
-def default_optims() -> List[str]:
+def default_optims() -> list[str]:
     """AdamW, AdamW8bit, and every registered format that no alias above already covers."""
     covered = set(ALIASES.values())
     return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in torchao_optim.list_state_formats() if f not in covered]
@@ -108,6 +128,7 @@ def compiled_graph_count() -> int:
 try:
     from tqdm.auto import tqdm
 except ImportError:  # the [bench] extra installs tqdm; without it, print a line now and then
+
     class tqdm:  # noqa: N801
         def __init__(self, iterable, desc="", **_):
             self.iterable, self.desc, self.postfix = iterable, desc, {}
@@ -128,6 +149,7 @@ except ImportError:  # the [bench] extra installs tqdm; without it, print a line
 
 # ---- one run -------------------------------------------------------------------------------------------
 
+
 @torch.no_grad()
 def evaluate(model: GPT, batches, device) -> float:
     """Mean loss over the fixed validation batches."""
@@ -137,7 +159,7 @@ def evaluate(model: GPT, batches, device) -> float:
     return sum(losses) / len(losses)
 
 
-def _finite_or_none(x: float) -> Optional[float]:
+def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
@@ -149,13 +171,14 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
     model.to(device=device, dtype=PARAM_DTYPES[args.param_dtype])
     groups = model.param_groups(args.weight_decay)
     # weight decay is set per group (model.param_groups); 0 here only fills the groups that do not set it
-    optimizer = optimizers.build(name, groups, lr=args.lr, weight_decay=0.0, betas=(args.beta1, args.beta2),
-                                 eps=args.eps, compile=True)
+    optimizer = optimizers.build(
+        name, groups, lr=args.lr, weight_decay=0.0, betas=(args.beta1, args.beta2), eps=args.eps, compile=True
+    )
     batch_gen = torch.Generator().manual_seed(seed)  # same batches in the same order for every optimizer
 
     val_curve = [(0, evaluate(model, val_batches, device))]
-    train_losses: List[Optional[float]] = []
-    step_times: List[float] = []
+    train_losses: list[float | None] = []
+    step_times: list[float] = []
     graphs_before = compiled_graph_count()
     bar = tqdm(range(args.steps), desc=f"{name} seed {seed}", dynamic_ncols=True, leave=True)
     for step in bar:
@@ -197,7 +220,8 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
 
 # ---- summary -------------------------------------------------------------------------------------------
 
-def summarize(runs: List[dict], optims: Sequence[str]) -> Dict[str, dict]:
+
+def summarize(runs: list[dict], optims: Sequence[str]) -> dict[str, dict]:
     """Per optimizer: the final validation loss over seeds (mean, min, max, range), times and memory."""
     out = {}
     for name in optims:
@@ -219,7 +243,7 @@ def summarize(runs: List[dict], optims: Sequence[str]) -> Dict[str, dict]:
     return out
 
 
-def acceptance(summary: Dict[str, dict]) -> Dict[str, dict]:
+def acceptance(summary: dict[str, dict]) -> dict[str, dict]:
     """For each optimizer but the reference: is its mean final validation loss within the reference's
     seed-to-seed spread, ``|mean - reference mean| <= reference range`` (range = max - min over seeds)?
     Undecided (None) with fewer than two reference seeds; failed if the optimizer diverged."""
@@ -247,11 +271,11 @@ def acceptance(summary: Dict[str, dict]) -> Dict[str, dict]:
     return checks
 
 
-def _fmt(x: Optional[float], digits: int = 3) -> str:
+def _fmt(x: float | None, digits: int = 3) -> str:
     return "nan" if x is None else f"{x:.{digits}f}"
 
 
-def markdown_table(summary: Dict[str, dict], checks: Dict[str, dict]) -> str:
+def markdown_table(summary: dict[str, dict], checks: dict[str, dict]) -> str:
     lines = [
         "| optimizer | final val loss (mean ± range) | per seed | Δ mean vs AdamW | train time (s) | first step (s) "
         "| state memory (MiB) | state bytes / param |",
@@ -277,14 +301,16 @@ def markdown_table(summary: Dict[str, dict], checks: Dict[str, dict]) -> str:
     for name, c in checks.items():
         verdict = {True: "PASS", False: "FAIL", None: "undecided (needs AdamW with at least two seeds)"}[c["passed"]]
         if c["difference_of_means"] is not None:
-            lines.append(f"- Acceptance, {name}: |mean − AdamW mean| = {abs(c['difference_of_means']):.4f} "
-                         f"{'≤' if c['passed'] else '>'} AdamW's seed range {c['reference_range']:.4f}: {verdict}")
+            lines.append(
+                f"- Acceptance, {name}: |mean − AdamW mean| = {abs(c['difference_of_means']):.4f} "
+                f"{'≤' if c['passed'] else '>'} AdamW's seed range {c['reference_range']:.4f}: {verdict}"
+            )
         else:
             lines.append(f"- Acceptance, {name}: {verdict}" + (" (diverged)" if c["mean"] is None else ""))
     return "\n".join(lines) + "\n"
 
 
-def plot_curves(runs: List[dict], optims: Sequence[str], path: Path) -> Optional[str]:
+def plot_curves(runs: list[dict], optims: Sequence[str], path: Path) -> str | None:
     """Validation loss against step (one colour per optimizer, one line per seed); with AdamW among the
     runs, a second panel shows each run's difference to AdamW on the same seed. Returns a note if skipped."""
     try:
@@ -306,15 +332,15 @@ def plot_curves(runs: List[dict], optims: Sequence[str], path: Path) -> Optional
             axes[0][0].plot(steps, vals, style, color=color, label=f"{name} seed {r['seed']}")
             if has_ref and name != REFERENCE and r["seed"] in ref:
                 diffs = [(s, v - ref[r["seed"]][s]) for s, v in zip(steps, vals) if ref[r["seed"]].get(s) is not None]
-                axes[0][1].plot([s for s, _ in diffs], [d for _, d in diffs], style, color=color,
-                                label=f"{name} seed {r['seed']}")
+                axes[0][1].plot(
+                    [s for s, _ in diffs], [d for _, d in diffs], style, color=color, label=f"{name} seed {r['seed']}"
+                )
     axes[0][0].set(xlabel="step", ylabel="validation loss (nats/byte)", title="Validation loss")
     axes[0][0].legend(fontsize="small")
     axes[0][0].grid(alpha=0.3)
     if has_ref:
         axes[0][1].axhline(0.0, color="C0", lw=1)
-        axes[0][1].set(xlabel="step", ylabel="val loss − AdamW val loss (same seed)",
-                       title="Difference to fp32 AdamW")
+        axes[0][1].set(xlabel="step", ylabel="val loss − AdamW val loss (same seed)", title="Difference to fp32 AdamW")
         axes[0][1].grid(alpha=0.3)
         if len(optims) > 1:
             axes[0][1].legend(fontsize="small")
@@ -326,57 +352,93 @@ def plot_curves(runs: List[dict], optims: Sequence[str], path: Path) -> Optional
 
 # ---- command line --------------------------------------------------------------------------------------
 
+
 def build_parser() -> argparse.ArgumentParser:
     presets = "\n".join(
         f"  {k:7s} d_model {p.model.d_model}, {p.model.n_layer} layers, {p.model.n_head} heads, context "
         f"{p.model.context}, {p.model.num_params() / 1e6:.2f}M params; {p.steps} steps x batch {p.batch_size}, "
-        f"lr {p.lr:g}: {p.note}" for k, p in PRESETS.items()
+        f"lr {p.lr:g}: {p.note}"
+        for k, p in PRESETS.items()
     )
     parser = argparse.ArgumentParser(
         description="Train a byte-level GPT on the Python standard library's source once per optimizer and "
-                    "seed, and compare final validation losses, training time and optimizer-state memory.",
+        "seed, and compare final validation losses, training time and optimizer-state memory.",
         epilog=f"model presets (--model_size; --steps, --batch_size, --lr override their defaults):\n{presets}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--optims", default=",".join(default_optims()),
-                        help="comma-separated optimizers of benchmarks/optimizers.py: AdamW (torch.optim.AdamW), "
-                             "AdamW8bit (torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) "
-                             f"for FMT in {', '.join(torchao_optim.list_state_formats() + ['none'])}, AdamW4bit, "
-                             "AdamWFp8, bnb (bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit), "
-                             "AdamWTorchao4bit, AdamWTorchaoFp8, ... Default: %(default)s")
-    parser.add_argument("--model_size", default="small", choices=list(PRESETS),
-                        help="model preset, see below. Default: %(default)s")
+    parser.add_argument(
+        "--optims",
+        default=",".join(default_optims()),
+        help="comma-separated optimizers of benchmarks/optimizers.py: AdamW (torch.optim.AdamW), "
+        "AdamW8bit (torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) "
+        f"for FMT in {', '.join(torchao_optim.list_state_formats() + ['none'])}, AdamW4bit, "
+        "AdamWFp8, bnb (bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit), "
+        "AdamWTorchao4bit, AdamWTorchaoFp8, ... Default: %(default)s",
+    )
+    parser.add_argument(
+        "--model_size", default="small", choices=list(PRESETS), help="model preset, see below. Default: %(default)s"
+    )
     parser.add_argument("--steps", type=int, default=None, help="training steps. Default: the preset's")
     parser.add_argument("--batch_size", type=int, default=None, help="sequences per batch. Default: the preset's")
-    parser.add_argument("--seq_len", type=int, default=None,
-                        help="bytes per sequence, at most the preset's context. Default: the context")
+    parser.add_argument(
+        "--seq_len",
+        type=int,
+        default=None,
+        help="bytes per sequence, at most the preset's context. Default: the context",
+    )
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate. Default: the preset's")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="linear warm-up steps; 0 for none. Default: 5%% of --steps")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="linear warm-up steps; 0 for none. Default: 5%% of --steps"
+    )
     parser.add_argument("--beta1", type=float, default=0.9, help="Adam beta1. Default: %(default)s")
     parser.add_argument("--beta2", type=float, default=0.95, help="Adam beta2. Default: %(default)s")
     parser.add_argument("--eps", type=float, default=1e-8, help="Adam epsilon. Default: %(default)s")
-    parser.add_argument("--weight_decay", type=float, default=0.1,
-                        help="decoupled weight decay of the weight matrices; embeddings, biases and LayerNorm "
-                             "weights get none. Default: %(default)s")
-    parser.add_argument("--param_dtype", default="fp32", choices=list(PARAM_DTYPES),
-                        help="the model's parameter dtype (bf16: pure bf16 training, where AdamW8bitSR's stochastic "
-                             "rounding matters). Default: %(default)s")
-    parser.add_argument("--seeds", default="0,1",
-                        help="comma-separated seeds, each setting the initial weights and the batch order. "
-                             "Default: %(default)s")
-    parser.add_argument("--eval_every", type=int, default=None,
-                        help="steps between validation evaluations (and after the last step). Default: --steps / 10")
-    parser.add_argument("--eval_batches", type=int, default=8,
-                        help="fixed validation batches of --batch_size sequences per evaluation. Default: %(default)s")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"],
-                        help="device to train on. Default: cuda if available, else cpu")
-    parser.add_argument("--out", default="results/convergence",
-                        help="directory for results.md, results.json and val_loss.png. Default: %(default)s")
+    parser.add_argument(
+        "--weight_decay",
+        type=float,
+        default=0.1,
+        help="decoupled weight decay of the weight matrices; embeddings, biases and LayerNorm "
+        "weights get none. Default: %(default)s",
+    )
+    parser.add_argument(
+        "--param_dtype",
+        default="fp32",
+        choices=list(PARAM_DTYPES),
+        help="the model's parameter dtype (bf16: pure bf16 training, where AdamW8bitSR's stochastic "
+        "rounding matters). Default: %(default)s",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="0,1",
+        help="comma-separated seeds, each setting the initial weights and the batch order. Default: %(default)s",
+    )
+    parser.add_argument(
+        "--eval_every",
+        type=int,
+        default=None,
+        help="steps between validation evaluations (and after the last step). Default: --steps / 10",
+    )
+    parser.add_argument(
+        "--eval_batches",
+        type=int,
+        default=8,
+        help="fixed validation batches of --batch_size sequences per evaluation. Default: %(default)s",
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        choices=["cpu", "cuda"],
+        help="device to train on. Default: cuda if available, else cpu",
+    )
+    parser.add_argument(
+        "--out",
+        default="results/convergence",
+        help="directory for results.md, results.json and val_loss.png. Default: %(default)s",
+    )
     return parser
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and complete the flags; a bad request exits with a one-line error."""
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -450,7 +512,7 @@ def _cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> dict:
     """Run the benchmark; returns what it writes to ``results.json``."""
     args = parse_args(argv)
     out = Path(args.out)
@@ -465,11 +527,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     corpus = load_stdlib_corpus()
     val_batches = corpus.val_batches(args.eval_batches, args.batch_size, args.seq_len)
     n_params = preset.model.num_params()
-    print(f"corpus: {corpus.train.numel() / 1e6:.1f} MB train ({corpus.n_train_files} files), "
-          f"{corpus.val.numel() / 1e6:.2f} MB validation ({corpus.n_val_files} files) from {corpus.root}")
-    print(f"model: {args.model_size} ({n_params / 1e6:.2f}M params); {args.steps} steps x {args.batch_size} x "
-          f"{args.seq_len} bytes; lr {args.lr:g}; seeds {args.seeds}; optimizers {', '.join(args.optims)}; "
-          f"device {device}")
+    print(
+        f"corpus: {corpus.train.numel() / 1e6:.1f} MB train ({corpus.n_train_files} files), "
+        f"{corpus.val.numel() / 1e6:.2f} MB validation ({corpus.n_val_files} files) from {corpus.root}"
+    )
+    print(
+        f"model: {args.model_size} ({n_params / 1e6:.2f}M params); {args.steps} steps x {args.batch_size} x "
+        f"{args.seq_len} bytes; lr {args.lr:g}; seeds {args.seeds}; optimizers {', '.join(args.optims)}; "
+        f"device {device}"
+    )
 
     runs = []
     for seed in args.seeds:
@@ -490,8 +556,10 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "environment": environment(device.type),
         "spread": "range = max - min over seeds",
         "summary": summary,
-        "acceptance": {"criterion": "|mean final val loss - AdamW's| <= AdamW's range (max - min) over seeds",
-                       **checks},
+        "acceptance": {
+            "criterion": "|mean final val loss - AdamW's| <= AdamW's range (max - min) over seeds",
+            **checks,
+        },
         "runs": runs,
         "total_wall_time_s": time.perf_counter() - wall_start,
     }

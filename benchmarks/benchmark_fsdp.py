@@ -17,6 +17,7 @@ Two parts, both on by default:
 
 Rank 0 prints a markdown table and writes JSON to ``--out``. Exits with status 1 if a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,7 +25,7 @@ import json
 import os
 import statistics
 import sys
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_step import gpt25m_shapes, llama_1b_shapes  # noqa: E402
 from optimizers import state_nbytes, time_call, wall_time  # noqa: E402
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 LR, WD, STEPS, MIN_QUANT = 1e-2, 0.1, 3, 1024
 
 
@@ -83,12 +84,11 @@ def set_grads(model, step: int) -> None:
     """Every rank takes its rows of the same whole gradients (drawn on the CPU, so identical everywhere)."""
     gen = torch.Generator().manual_seed(100 + step)
     for p in model.parameters():
-        g = (torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen))
+        g = torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)
         g = g.to(p.device)
         if isinstance(p, DTensor):
             rows = rows_of(dist.get_rank(p.device_mesh.get_group()), p.device_mesh.size(), len(g))
-            g = DTensor.from_local(g[rows].contiguous(), p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride())
+            g = DTensor.from_local(g[rows].contiguous(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         p.grad = g
 
 
@@ -97,11 +97,12 @@ def reference_optimizer(model):
     for p in model.parameters():
         block_size = row_aligned_block_size(p.shape, 256) if p.numel() >= MIN_QUANT else None
         (plain.append(p) if block_size is None else groups.append({"params": [p], "block_size": block_size}))
-    return torchao_optim.AdamW8bit(groups + [{"params": plain, "state_format": "none"}], lr=LR, weight_decay=WD,
-                                   min_quant_size=MIN_QUANT)
+    return torchao_optim.AdamW8bit(
+        groups + [{"params": plain, "state_format": "none"}], lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT
+    )
 
 
-def snapshot(model, opt) -> Dict[str, torch.Tensor]:
+def snapshot(model, opt) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         for key, t in (("", p), (".exp_avg", opt.state[p]["exp_avg"]), (".exp_avg_sq", opt.state[p]["exp_avg_sq"])):
@@ -113,12 +114,13 @@ def same(a, b) -> bool:
     if type(a) is not type(b) or a.shape != b.shape:
         return False
     if isinstance(a, QuantizedState):
-        return a.attrs() == b.attrs() and all(torch.equal(x, y) for x, y in zip(a.fields().values(),
-                                                                               b.fields().values()))
+        return a.attrs() == b.attrs() and all(
+            torch.equal(x, y) for x, y in zip(a.fields().values(), b.fields().values())
+        )
     return torch.equal(a, b)
 
 
-def check(device, ckpt_dir) -> List[str]:
+def check(device, ckpt_dir) -> list[str]:
     """The parity and resume checks; returns what failed (on rank 0)."""
     failures = []
     model = shard(MLP(device))
@@ -133,8 +135,7 @@ def check(device, ckpt_dir) -> List[str]:
     executor = "fused" if opt._plans else "compiled"
 
     resumed_model = shard(MLP(device))
-    resumed_opt = torchao_optim.AdamW8bit(resumed_model.parameters(), lr=LR, weight_decay=WD,
-                                          min_quant_size=MIN_QUANT)
+    resumed_opt = torchao_optim.AdamW8bit(resumed_model.parameters(), lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT)
     msd, osd = get_state_dict(resumed_model, resumed_opt)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt_dir)
     set_state_dict(resumed_model, resumed_opt, model_state_dict=msd, optim_state_dict=osd)
@@ -177,14 +178,17 @@ def check(device, ckpt_dir) -> List[str]:
             log(f"  end to end, {name}: max {err.max():.3g}, mean {err.mean():.3g} of lr * steps")
             if err.max() > 0.01 or err.mean() > 1e-4:
                 failures.append(f"end-to-end training: {name} max {err.max():.3g} mean {err.mean():.3g}")
-        log(f"check on {world} ranks ({device}, executor {executor}): "
-            f"{'PASS' if not failures else 'FAIL: ' + '; '.join(failures[:8])}")
+        log(
+            f"check on {world} ranks ({device}, executor {executor}): "
+            f"{'PASS' if not failures else 'FAIL: ' + '; '.join(failures[:8])}"
+        )
     return failures
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------------
-GEOMETRIES: Dict[str, Callable[[], List[Shape]]] = {
-    "llama_1b": llama_1b_shapes, "gpt25m": gpt25m_shapes,
+GEOMETRIES: dict[str, Callable[[], list[Shape]]] = {
+    "llama_1b": llama_1b_shapes,
+    "gpt25m": gpt25m_shapes,
     "tiny": lambda: [(1000, 64), (64,)] + [(256, 64), (64, 256), (64,)] * 2 + [(1000, 64)],
 }
 
@@ -193,7 +197,8 @@ class Layer(torch.nn.Module):
     def __init__(self, shapes, device, dtype, gen):
         super().__init__()
         self.params = torch.nn.ParameterList(
-            [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)) for s in shapes])
+            [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.02).to(device=device, dtype=dtype)) for s in shapes]
+        )
 
 
 class Stack(torch.nn.Module):
@@ -204,13 +209,13 @@ class Stack(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers)
 
 
-def sharded_params(shapes: List[Shape], device, dtype) -> Tuple[torch.nn.Module, List[torch.nn.Parameter]]:
+def sharded_params(shapes: list[Shape], device, dtype) -> tuple[torch.nn.Module, list[torch.nn.Parameter]]:
     """The geometry as a model of layers, each ``fully_shard``-ed, and the root too: the first tensor (the
     embedding), the last two (final norm, head), and the rest in layers of 9 (TinyLlama's); gradients of the
     local shards' shapes. (How tensors are grouped decides FSDP's communication, not the optimizer's step.)"""
     gen = torch.Generator().manual_seed(0)
     middle = shapes[1:-2]
-    chunks = [shapes[:1]] + [middle[i:i + 9] for i in range(0, len(middle), 9)] + [shapes[-2:]]
+    chunks = [shapes[:1]] + [middle[i : i + 9] for i in range(0, len(middle), 9)] + [shapes[-2:]]
     model = Stack([Layer(c, device, dtype, gen) for c in chunks if c])
     for layer in model.layers:
         fully_shard(layer)
@@ -218,13 +223,18 @@ def sharded_params(shapes: List[Shape], device, dtype) -> Tuple[torch.nn.Module,
     params = list(model.parameters())
     for p in params:
         local = p.to_local()
-        p.grad = DTensor.from_local(torch.randn(local.shape, generator=gen).to(device=device, dtype=dtype) * 1e-3,
-                                    p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        p.grad = DTensor.from_local(
+            torch.randn(local.shape, generator=gen).to(device=device, dtype=dtype) * 1e-3,
+            p.device_mesh,
+            p.placements,
+            shape=p.shape,
+            stride=p.stride(),
+        )
     return model, params
 
 
-def optimizers(device) -> Dict[str, Callable]:
-    f: Dict[str, Callable] = {"ours_dtq8": lambda ps: torchao_optim.AdamW8bit(ps)}
+def optimizers(device) -> dict[str, Callable]:
+    f: dict[str, Callable] = {"ours_dtq8": lambda ps: torchao_optim.AdamW8bit(ps)}
     if device == "cuda":
         f["ours_dtq8_compiled"] = lambda ps: torchao_optim.AdamW8bit(ps, fused=False)
     f["torch_fused"] = lambda ps: torch.optim.AdamW(ps, fused=True)
@@ -244,7 +254,7 @@ def slowest(value: float, device) -> float:
     return t.item()
 
 
-def bench(name, factory, shapes, device, dtype, steps, warmup) -> Dict:
+def bench(name, factory, shapes, device, dtype, steps, warmup) -> dict:
     torch._dynamo.reset()
     model, params = sharded_params(shapes, device, dtype)
     opt = factory(params)
@@ -253,9 +263,13 @@ def bench(name, factory, shapes, device, dtype, steps, warmup) -> Dict:
     for _ in range(warmup):
         opt.step()
     times = [time_call(opt.step, device) for _ in range(steps)]
-    out = dict(name=name, first_step_s=slowest(first, device), step_ms=1e3 * slowest(statistics.median(times), device),
-               state_bytes_per_rank=int(slowest(state_nbytes(opt), device)),
-               params_per_rank=int(slowest(sum(p.to_local().numel() for p in params), device)))
+    out = dict(
+        name=name,
+        first_step_s=slowest(first, device),
+        step_ms=1e3 * slowest(statistics.median(times), device),
+        state_bytes_per_rank=int(slowest(state_nbytes(opt), device)),
+        params_per_rank=int(slowest(sum(p.to_local().numel() for p in params), device)),
+    )
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -288,8 +302,10 @@ def main(argv=None) -> int:
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     world = dist.get_world_size()
     os.makedirs(args.out, exist_ok=True)
-    log(f"torch {torch.__version__}, {world} ranks, {device}"
-        + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else ""))
+    log(
+        f"torch {torch.__version__}, {world} ranks, {device}"
+        + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
+    )
     failures = []
     if args.check:
         failures = check(device, os.path.join(args.out, f"ckpt_{world}"))
@@ -306,20 +322,37 @@ def main(argv=None) -> int:
             except Exception as err:  # a peer that cannot run sharded: say so, go on
                 log(f"[fail] {name}: {type(err).__name__}: {err}".splitlines()[0])
         n = sum(torch.Size(s).numel() for s in shapes)
-        log(f"\n{args.geometry}, {n / 1e6:.1f}M params in {len(shapes)} tensors, {args.dtype}, FSDP2 over {world} "
-            f"ranks; per rank: step time (slowest rank's median of {args.steps}), state, first step")
-        log("| optimizer | step (ms) | state per rank (MB) | state bytes / local param | first step (s) |"
-            + (" transient peak (MB) |" if device == "cuda" else ""))
+        log(
+            f"\n{args.geometry}, {n / 1e6:.1f}M params in {len(shapes)} tensors, {args.dtype}, FSDP2 over {world} "
+            f"ranks; per rank: step time (slowest rank's median of {args.steps}), state, first step"
+        )
+        log(
+            "| optimizer | step (ms) | state per rank (MB) | state bytes / local param | first step (s) |"
+            + (" transient peak (MB) |" if device == "cuda" else "")
+        )
         log("|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
         for r in results:
-            log(f"| {r['name']} | {r['step_ms']:.2f} | {r['state_bytes_per_rank'] / 2**20:.1f} | "
+            log(
+                f"| {r['name']} | {r['step_ms']:.2f} | {r['state_bytes_per_rank'] / 2**20:.1f} | "
                 f"{r['state_bytes_per_rank'] / r['params_per_rank']:.2f} | {r['first_step_s']:.1f} |"
-                + (f" {r['transient_peak_mb']:.0f} |" if device == "cuda" else ""))
+                + (f" {r['transient_peak_mb']:.0f} |" if device == "cuda" else "")
+            )
     if dist.get_rank() == 0:
         path = os.path.join(args.out, f"fsdp_{args.geometry}_{world}x{device}.json")
         with open(path, "w") as f:
-            json.dump(dict(torch=torch.__version__, world=world, device=device, geometry=args.geometry,
-                           dtype=args.dtype, check_failures=failures, results=results), f, indent=1)
+            json.dump(
+                dict(
+                    torch=torch.__version__,
+                    world=world,
+                    device=device,
+                    geometry=args.geometry,
+                    dtype=args.dtype,
+                    check_failures=failures,
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
         log(f"wrote {path}")
     failed = torch.tensor([len(failures)], device=device)
     dist.all_reduce(failed)

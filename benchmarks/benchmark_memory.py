@@ -24,6 +24,7 @@ AdamW8bit, AdamW4bit, AdamW8bit with bf16 params and stochastic rounding, alone,
 with ``step_in_backward`` and with both. Peers that are not installed and GPU-only configurations on a CPU are
 skipped with the reason printed. Writes JSON and a PNG chart under ``results/memory/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,18 +39,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import optimizers  # noqa: E402  (the optimizer table every benchmark shares)
-import torchao_optim  # noqa: E402
 from benchmark_step import llama_1b_shapes  # noqa: E402
 
-Shape = Tuple[int, ...]
+import torchao_optim  # noqa: E402
+
+Shape = tuple[int, ...]
 LR = 1e-4
 
 
@@ -62,11 +64,11 @@ class Llama:
     ffn: int
     vocab: int
 
-    def shapes(self, layers: int) -> List[Shape]:
+    def shapes(self, layers: int) -> list[Shape]:
         """Embedding, ``layers`` decoder layers (q, k, v, o, gate, up, down, two RMSNorm weights), the final
         norm and the untied head."""
         h, kv = self.hidden, self.hidden // self.heads * self.kv_heads
-        shapes: List[Shape] = [(self.vocab, h)]
+        shapes: list[Shape] = [(self.vocab, h)]
         for _ in range(layers):
             shapes += [(h, h), (kv, h), (kv, h), (h, h), (self.ffn, h), (self.ffn, h), (h, self.ffn), (h,), (h,)]
         return shapes + [(h,), (self.vocab, h)]
@@ -74,7 +76,7 @@ class Llama:
 
 LLAMA_70B = Llama(hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000)  # 0.856B params a layer
 TINY = Llama(hidden=128, heads=2, kv_heads=1, ffn=352, vocab=256)  # 0.18M params a layer, for CPU smoke runs
-WARM_SHAPES: List[Shape] = [(256, 256), (256,), (256, 256), (256,)]  # imports and first-use set-up only
+WARM_SHAPES: list[Shape] = [(256, 256), (256,), (256, 256), (256,)]  # imports and first-use set-up only
 FAMILIES = {"llama70b": LLAMA_70B, "tiny": TINY}
 
 
@@ -91,7 +93,8 @@ class ParamModel(torch.nn.Module):
         gen = torch.Generator(device=device).manual_seed(0)
         self.weights = torch.nn.ParameterList(
             torch.nn.Parameter(torch.empty(s, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen))
-            for s in shapes)
+            for s in shapes
+        )
         self.coeffs = [1.0 + (i % 7) / 7 for i in range(len(shapes))]
 
     def forward(self) -> torch.Tensor:
@@ -103,12 +106,12 @@ class ParamModel(torch.nn.Module):
 class Config:
     name: str
     description: str
-    make: Callable[[List[torch.nn.Parameter], bool], object]  # (params, compile) -> optimizer
+    make: Callable[[list[torch.nn.Parameter], bool], object]  # (params, compile) -> optimizer
     dtype: torch.dtype = torch.float32
     in_backward: bool = False
     cuda_only: bool = False
-    requires: Optional[Tuple[str, str]] = None  # (import name, pip name)
-    table_name: Optional[str] = None  # its name in benchmarks/optimizers.py, where it has one
+    requires: tuple[str, str] | None = None  # (import name, pip name)
+    table_name: str | None = None  # its name in benchmarks/optimizers.py, where it has one
 
 
 def _table(name: str) -> Callable:
@@ -118,46 +121,90 @@ def _table(name: str) -> Callable:
 def _torchao_offload(offload_gradients: bool) -> Callable:
     def make(params, compile):
         cls = importlib.import_module("torchao.optim").CPUOffloadOptimizer
-        return cls(params, torch.optim.AdamW, offload_gradients=offload_gradients, fused=True, lr=LR,
-                   weight_decay=0.0)
+        return cls(params, torch.optim.AdamW, offload_gradients=offload_gradients, fused=True, lr=LR, weight_decay=0.0)
 
     return make
 
 
 def _ours_offload(params, compile):
-    return torchao_optim.AdamW8bit(params, lr=LR, weight_decay=0.0, bf16_stochastic_round=True, compile=compile,
-                                   offload_state=True)
+    return torchao_optim.AdamW8bit(
+        params, lr=LR, weight_decay=0.0, bf16_stochastic_round=True, compile=compile, offload_state=True
+    )
 
 
-def config_table() -> Dict[str, Config]:
+def config_table() -> dict[str, Config]:
     bf16, tao = torch.bfloat16, ("torchao", "torchao")
     configs = [
-        Config("AdamWTorchFused", "torch.optim.AdamW(fused=True), fp32 params", _table("AdamWTorchFused"),
-               table_name="AdamWTorchFused"),
-        Config("AdamWTorchFused-bf16", "torch.optim.AdamW(fused=True), bf16 params (bf16 state)",
-               _table("AdamWTorchFused"), bf16, table_name="AdamWTorchFused"),
-        Config("AdamWBnb8bit", "bitsandbytes.optim.AdamW8bit, fp32 params", _table("AdamWBnb8bit"),
-               table_name="AdamWBnb8bit"),
-        Config("AdamWTorchao8bit", "torchao.optim.AdamW8bit, fp32 params", _table("AdamWTorchao8bit"),
-               table_name="AdamWTorchao8bit"),
-        Config("TorchaoOffload", "torchao.optim.CPUOffloadOptimizer(torch.optim.AdamW, fused=True), fp32 params",
-               _torchao_offload(False), cuda_only=True, requires=tao),
-        Config("TorchaoOffload-grads", "the same with offload_gradients=True", _torchao_offload(True),
-               cuda_only=True, requires=tao),
+        Config(
+            "AdamWTorchFused",
+            "torch.optim.AdamW(fused=True), fp32 params",
+            _table("AdamWTorchFused"),
+            table_name="AdamWTorchFused",
+        ),
+        Config(
+            "AdamWTorchFused-bf16",
+            "torch.optim.AdamW(fused=True), bf16 params (bf16 state)",
+            _table("AdamWTorchFused"),
+            bf16,
+            table_name="AdamWTorchFused",
+        ),
+        Config(
+            "AdamWBnb8bit",
+            "bitsandbytes.optim.AdamW8bit, fp32 params",
+            _table("AdamWBnb8bit"),
+            table_name="AdamWBnb8bit",
+        ),
+        Config(
+            "AdamWTorchao8bit",
+            "torchao.optim.AdamW8bit, fp32 params",
+            _table("AdamWTorchao8bit"),
+            table_name="AdamWTorchao8bit",
+        ),
+        Config(
+            "TorchaoOffload",
+            "torchao.optim.CPUOffloadOptimizer(torch.optim.AdamW, fused=True), fp32 params",
+            _torchao_offload(False),
+            cuda_only=True,
+            requires=tao,
+        ),
+        Config(
+            "TorchaoOffload-grads",
+            "the same with offload_gradients=True",
+            _torchao_offload(True),
+            cuda_only=True,
+            requires=tao,
+        ),
         Config("AdamW8bit", "torchao_optim.AdamW8bit, fp32 params", _table("AdamW8bit"), table_name="AdamW8bit"),
         Config("AdamW4bit", "torchao_optim.AdamW4bit, fp32 params", _table("AdamW4bit"), table_name="AdamW4bit"),
-        Config("AdamW8bitSR-bf16", "torchao_optim.AdamW8bit(bf16_stochastic_round=True), bf16 params",
-               _table("AdamW8bitSR"), bf16, table_name="AdamW8bitSR"),
+        Config(
+            "AdamW8bitSR-bf16",
+            "torchao_optim.AdamW8bit(bf16_stochastic_round=True), bf16 params",
+            _table("AdamW8bitSR"),
+            bf16,
+            table_name="AdamW8bitSR",
+        ),
         Config("AdamW8bitSR-offload", "the same with offload_state=True", _ours_offload, bf16, cuda_only=True),
-        Config("AdamW8bitSR-backward", "AdamW8bit(bf16_stochastic_round=True), bf16 params, step_in_backward",
-               _table("AdamW8bitSR"), bf16, in_backward=True, table_name="AdamW8bitSR"),
-        Config("AdamW8bitSR-offload-backward", "the same with offload_state=True and step_in_backward",
-               _ours_offload, bf16, in_backward=True, cuda_only=True),
+        Config(
+            "AdamW8bitSR-backward",
+            "AdamW8bit(bf16_stochastic_round=True), bf16 params, step_in_backward",
+            _table("AdamW8bitSR"),
+            bf16,
+            in_backward=True,
+            table_name="AdamW8bitSR",
+        ),
+        Config(
+            "AdamW8bitSR-offload-backward",
+            "the same with offload_state=True and step_in_backward",
+            _ours_offload,
+            bf16,
+            in_backward=True,
+            cuda_only=True,
+        ),
     ]
     return {c.name: c for c in configs}
 
 
-def skip_reason(config: Config, device: str) -> Optional[str]:
+def skip_reason(config: Config, device: str) -> str | None:
     if config.cuda_only and not device.startswith("cuda"):
         return "runs on CUDA only"
     missing = optimizers.missing_package(config.table_name) if config.table_name else None
@@ -234,7 +281,7 @@ def state_bytes(opt) -> int:
     return optimizers.state_nbytes(opt)
 
 
-def run_once(config: Config, shapes: Sequence[Shape], device: str, warmup: int, iters: int, compile: bool) -> Dict:
+def run_once(config: Config, shapes: Sequence[Shape], device: str, warmup: int, iters: int, compile: bool) -> dict:
     """Build the parameters and the optimizer, run ``1 + warmup + iters`` iterations; the readings."""
     cuda = device.startswith("cuda")
     rss0, used0 = _status_kb("VmRSS"), _host_used()
@@ -264,9 +311,15 @@ def run_once(config: Config, shapes: Sequence[Shape], device: str, warmup: int, 
     for _ in range(iters):
         times.append(optimizers.wall_time(iteration, device))
         used_peak, rss_peak = max(used_peak, _host_used()), max(rss_peak, _status_kb("VmRSS"))
-    out = dict(layers=None, n_params=numel(shapes), n_tensors=len(shapes), first_iteration_s=first,
-               iteration_ms=1e3 * statistics.median(times), iteration_ms_all=[1e3 * t for t in times],
-               state_bytes=state_bytes(opt))
+    out = dict(
+        layers=None,
+        n_params=numel(shapes),
+        n_tensors=len(shapes),
+        first_iteration_s=first,
+        iteration_ms=1e3 * statistics.median(times),
+        iteration_ms_all=[1e3 * t for t in times],
+        state_bytes=state_bytes(opt),
+    )
     rss_peak = max(rss_peak, _status_kb("VmHWM") if hwm_reset else 0)
     out["host_rss_bytes"] = _status_kb("VmRSS") - rss0  # after the timed iterations
     out["host_rss_peak_bytes"] = rss_peak - rss0
@@ -276,14 +329,17 @@ def run_once(config: Config, shapes: Sequence[Shape], device: str, warmup: int, 
         out["host_used_peak_bytes"] = used_peak - used0  # sampled: the machine's drop in available memory
         try:
             stats = torch.cuda.host_memory_stats()  # the pinned allocator's peak, whatever its keys are called
-            out["host_pinned_peak_bytes"] = max([v for k, v in stats.items() if "bytes" in k and "peak" in k
-                                                 and ("allocated" in k or "reserved" in k)] or [0])
+            out["host_pinned_peak_bytes"] = max(
+                [v for k, v in stats.items() if "bytes" in k and "peak" in k and ("allocated" in k or "reserved" in k)]
+                or [0]
+            )
         except Exception:
             out["host_pinned_peak_bytes"] = None
         # what the host limit is checked against: RSS may miss driver-mapped pinned pages, the available-memory
         # drop does not (on a machine of its own)
-        out["host_bytes"] = max(out["host_rss_peak_bytes"], out["host_used_peak_bytes"],
-                                out["host_pinned_peak_bytes"] or 0)
+        out["host_bytes"] = max(
+            out["host_rss_peak_bytes"], out["host_used_peak_bytes"], out["host_pinned_peak_bytes"] or 0
+        )
         out["device_bytes"] = out["gpu_reserved_peak_bytes"]
     else:  # the device is the host: one memory, its peak RSS
         out["host_bytes"] = out["device_bytes"] = out["host_rss_peak_bytes"]
@@ -296,7 +352,7 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
-def measure(config: Config, shapes, device, warmup, iters, compile) -> Dict:
+def measure(config: Config, shapes, device, warmup, iters, compile) -> dict:
     """``run_once``, with an out-of-memory error turned into ``{"oom": True}`` and everything freed after."""
     try:
         out = run_once(config, shapes, device, warmup, iters, compile)
@@ -304,14 +360,17 @@ def measure(config: Config, shapes, device, warmup, iters, compile) -> Dict:
     except Exception as err:  # noqa: BLE001
         if not is_oom(err):
             raise
-        out = dict(oom=True, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
-                   n_params=numel(shapes))
+        out = dict(
+            oom=True,
+            error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}",
+            n_params=numel(shapes),
+        )
     free_everything(device)
     return out
 
 
 # ---- the fit search ------------------------------------------------------------------------------------------
-def linear_fit(xs: Sequence[int], ys: Sequence[float]) -> Tuple[float, float]:
+def linear_fit(xs: Sequence[int], ys: Sequence[float]) -> tuple[float, float]:
     """Least squares ``y = a + b x``."""
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -319,7 +378,7 @@ def linear_fit(xs: Sequence[int], ys: Sequence[float]) -> Tuple[float, float]:
     return my - b * mx, b
 
 
-def predict(fits: Dict[str, Tuple[float, float]], budgets: Dict[str, float], max_layers: int) -> Tuple[int, str]:
+def predict(fits: dict[str, tuple[float, float]], budgets: dict[str, float], max_layers: int) -> tuple[int, str]:
     """The largest layer count every fitted memory keeps under its budget (at most ``max_layers``) and the
     memory that bounds it."""
     best, bound = max_layers, "max-layers"
@@ -338,8 +397,9 @@ def warm(config: Config, device: str, compile: bool) -> None:
     measure(config, WARM_SHAPES, device, 0, 1, compile)
 
 
-def search(config: Config, family: Llama, device: str, args, budgets: Dict[str, float],
-           limits: Dict[str, float]) -> Dict:
+def search(
+    config: Config, family: Llama, device: str, args, budgets: dict[str, float], limits: dict[str, float]
+) -> dict:
     cuda = device.startswith("cuda")
     keys = ["device", "host"] if cuda else ["device"]
     runs = []
@@ -352,10 +412,19 @@ def search(config: Config, family: Llama, device: str, args, budgets: Dict[str, 
             return dict(runs=runs, fit=None, predicted_layers=0, bound="device", largest=None)
     fits = {k: linear_fit([r["layers"] for r in runs], [r[f"{k}_bytes"] for r in runs]) for k in keys}
     predicted, bound = predict(fits, budgets, args.max_layers)
-    result = dict(runs=runs, fit={k: dict(a=a, b=b) for k, (a, b) in fits.items()}, predicted_layers=predicted,
-                  bound=bound, largest=None)
-    print("  fit: " + ", ".join(f"{k} {a / 1e9:.2f} GB + {b / 1e9:.3f} GB/layer" for k, (a, b) in fits.items())
-          + f"; predicted {predicted} layers ({bound} bound)", flush=True)
+    result = dict(
+        runs=runs,
+        fit={k: dict(a=a, b=b) for k, (a, b) in fits.items()},
+        predicted_layers=predicted,
+        bound=bound,
+        largest=None,
+    )
+    print(
+        "  fit: "
+        + ", ".join(f"{k} {a / 1e9:.2f} GB + {b / 1e9:.3f} GB/layer" for k, (a, b) in fits.items())
+        + f"; predicted {predicted} layers ({bound} bound)",
+        flush=True,
+    )
     if not args.confirm or predicted < 1:
         return result
     layers = predicted
@@ -369,8 +438,9 @@ def search(config: Config, family: Llama, device: str, args, budgets: Dict[str, 
         r["layers"] = layers
         runs.append(r)
         over = [k for k in keys if not r["oom"] and r[f"{k}_bytes"] > limits[k]]
-        print(f"  confirm {layers} layers: " + _describe(r) + (f" (over the {over[0]} limit)" if over else ""),
-              flush=True)
+        print(
+            f"  confirm {layers} layers: " + _describe(r) + (f" (over the {over[0]} limit)" if over else ""), flush=True
+        )
         if not r["oom"] and not over:
             result["largest"] = r
             break
@@ -378,25 +448,28 @@ def search(config: Config, family: Llama, device: str, args, budgets: Dict[str, 
         layers -= 1
         if over:  # the fit undershot: refit with this size too and go straight to what it allows
             measured = [x for x in runs if not x["oom"]]
-            fits = {k: linear_fit([x["layers"] for x in measured], [x[f"{k}_bytes"] for x in measured])
-                    for k in keys}
+            fits = {k: linear_fit([x["layers"] for x in measured], [x[f"{k}_bytes"] for x in measured]) for k in keys}
             layers = min(layers, predict(fits, budgets, args.max_layers)[0])
     return result
 
 
-def _describe(r: Dict) -> str:
+def _describe(r: dict) -> str:
     if r["oom"]:
         return f"out of memory ({r['error']})"
     gb = lambda k: f"{r[k] / 1e9:.2f}"  # noqa: E731
-    return (f"{r['n_params'] / 1e9:.3f}B params, {r['iteration_ms']:.1f} ms, device {gb('device_bytes')} GB, "
-            f"host {gb('host_bytes')} GB, state {gb('state_bytes')} GB")
+    return (
+        f"{r['n_params'] / 1e9:.3f}B params, {r['iteration_ms']:.1f} ms, device {gb('device_bytes')} GB, "
+        f"host {gb('host_bytes')} GB, state {gb('state_bytes')} GB"
+    )
 
 
 # ---- output --------------------------------------------------------------------------------------------------
-def print_fit_table(rows: List[Dict], cuda: bool) -> None:
+def print_fit_table(rows: list[dict], cuda: bool) -> None:
     mem = "GPU GB (reserved peak) | host GB" if cuda else "memory GB (peak RSS)"
-    print(f"\n| config | largest layers | params (B) | {mem} | iteration ms | state GB | bound | "
-          f"bytes/layer ({'GPU, host' if cuda else 'memory'}) |")
+    print(
+        f"\n| config | largest layers | params (B) | {mem} | iteration ms | state GB | bound | "
+        f"bytes/layer ({'GPU, host' if cuda else 'memory'}) |"
+    )
     print("|---|---|---|---|" + ("---|" if cuda else "") + "---|---|---|---|")
     for row in rows:
         if row["status"] != "ok":
@@ -405,18 +478,29 @@ def print_fit_table(rows: List[Dict], cuda: bool) -> None:
         s, big = row["search"], row["search"]["largest"]
         per_layer = ", ".join(f"{v['b'] / 1e9:.3g} GB" for v in (s["fit"] or {}).values())
         if big is None:
-            print(f"| {row['name']} | predicted {s['predicted_layers']} (not confirmed) | | " + ("| " if cuda else "")
-                  + f"| | | {s['bound']} | {per_layer} |")
+            print(
+                f"| {row['name']} | predicted {s['predicted_layers']} (not confirmed) | | "
+                + ("| " if cuda else "")
+                + f"| | | {s['bound']} | {per_layer} |"
+            )
             continue
-        memory = (f"{big['device_bytes'] / 1e9:.1f} | {big['host_bytes'] / 1e9:.1f}" if cuda
-                  else f"{big['device_bytes'] / 1e9:.3f}")
-        print(f"| {row['name']} | {big['layers']} | {big['n_params'] / 1e9:.3g} | {memory} | "
-              f"{big['iteration_ms']:.1f} | {big['state_bytes'] / 1e9:.2f} | {s['bound']} | {per_layer} |")
+        memory = (
+            f"{big['device_bytes'] / 1e9:.1f} | {big['host_bytes'] / 1e9:.1f}"
+            if cuda
+            else f"{big['device_bytes'] / 1e9:.3f}"
+        )
+        print(
+            f"| {row['name']} | {big['layers']} | {big['n_params'] / 1e9:.3g} | {memory} | "
+            f"{big['iteration_ms']:.1f} | {big['state_bytes'] / 1e9:.2f} | {s['bound']} | {per_layer} |"
+        )
 
 
-def print_fixed_table(rows: List[Dict], cuda: bool) -> None:
-    print("\n| config | iteration ms | " + ("GPU GB (allocated peak) | GPU GB (reserved peak) | host GB | "
-                                        if cuda else "memory GB (peak RSS) | ") + "state GB |")
+def print_fixed_table(rows: list[dict], cuda: bool) -> None:
+    print(
+        "\n| config | iteration ms | "
+        + ("GPU GB (allocated peak) | GPU GB (reserved peak) | host GB | " if cuda else "memory GB (peak RSS) | ")
+        + "state GB |"
+    )
     print("|---|---|---|" + ("---|---|" if cuda else "") + "---|")
     for row in rows:
         if row["status"] != "ok":
@@ -426,12 +510,15 @@ def print_fixed_table(rows: List[Dict], cuda: bool) -> None:
         if r["oom"]:
             print(f"| {row['name']} | out of memory |")
             continue
-        memory = (f"{r['gpu_peak_bytes'] / 1e9:.2f} | {r['gpu_reserved_peak_bytes'] / 1e9:.2f} | "
-                  f"{r['host_bytes'] / 1e9:.2f}" if cuda else f"{r['device_bytes'] / 1e9:.3f}")
+        memory = (
+            f"{r['gpu_peak_bytes'] / 1e9:.2f} | {r['gpu_reserved_peak_bytes'] / 1e9:.2f} | {r['host_bytes'] / 1e9:.2f}"
+            if cuda
+            else f"{r['device_bytes'] / 1e9:.3f}"
+        )
         print(f"| {row['name']} | {r['iteration_ms']:.1f} | {memory} | {r['state_bytes'] / 1e9:.2f} |")
 
 
-def offload_acceptance(rows: List[Dict]) -> Optional[Dict]:
+def offload_acceptance(rows: list[dict]) -> dict | None:
     """Issue 13, item 2, on the TinyLlama geometry: ours with ``offload_state=True`` within 100 ms an iteration
     and 3 GB of host memory, with torchao's CPUOffloadOptimizer of the same run beside it."""
     by_name = {r["name"]: r for r in rows if r["status"] == "ok" and not r["run"]["oom"]}
@@ -439,18 +526,24 @@ def offload_acceptance(rows: List[Dict]) -> Optional[Dict]:
     if ours is None:
         return None
     r = ours["run"]
-    out = dict(iteration_ms=r["iteration_ms"], host_gb=r["host_bytes"] / 1e9,
-               passes=r["iteration_ms"] <= 100 and r["host_bytes"] <= 3e9)
+    out = dict(
+        iteration_ms=r["iteration_ms"],
+        host_gb=r["host_bytes"] / 1e9,
+        passes=r["iteration_ms"] <= 100 and r["host_bytes"] <= 3e9,
+    )
     for peer in ("TorchaoOffload", "AdamWTorchFused"):
         if peer in by_name:
-            out[peer] = dict(iteration_ms=by_name[peer]["run"]["iteration_ms"],
-                             host_gb=by_name[peer]["run"]["host_bytes"] / 1e9)
-    print(f"\noffload acceptance (<= 100 ms, <= 3 GB host): AdamW8bitSR-offload {out['iteration_ms']:.1f} ms, "
-          f"{out['host_gb']:.2f} GB host: {'pass' if out['passes'] else 'FAIL'}")
+            out[peer] = dict(
+                iteration_ms=by_name[peer]["run"]["iteration_ms"], host_gb=by_name[peer]["run"]["host_bytes"] / 1e9
+            )
+    print(
+        f"\noffload acceptance (<= 100 ms, <= 3 GB host): AdamW8bitSR-offload {out['iteration_ms']:.1f} ms, "
+        f"{out['host_gb']:.2f} GB host: {'pass' if out['passes'] else 'FAIL'}"
+    )
     return out
 
 
-def plot(rows: List[Dict], path: str, fixed: bool) -> None:
+def plot(rows: list[dict], path: str, fixed: bool) -> None:
     try:
         import matplotlib
 
@@ -461,13 +554,17 @@ def plot(rows: List[Dict], path: str, fixed: bool) -> None:
         return
     if fixed:
         ok = [r for r in rows if r["status"] == "ok" and not r["run"]["oom"]]
-        panels = [("iteration (ms)", [r["run"]["iteration_ms"] for r in ok]),
-                  ("device memory (GB)", [r["run"]["device_bytes"] / 1e9 for r in ok]),
-                  ("host memory (GB)", [r["run"]["host_bytes"] / 1e9 for r in ok])]
+        panels = [
+            ("iteration (ms)", [r["run"]["iteration_ms"] for r in ok]),
+            ("device memory (GB)", [r["run"]["device_bytes"] / 1e9 for r in ok]),
+            ("host memory (GB)", [r["run"]["host_bytes"] / 1e9 for r in ok]),
+        ]
     else:
         ok = [r for r in rows if r["status"] == "ok" and r["search"]["largest"]]
-        panels = [("largest model (B params)", [r["search"]["largest"]["n_params"] / 1e9 for r in ok]),
-                  ("its iteration (ms)", [r["search"]["largest"]["iteration_ms"] for r in ok])]
+        panels = [
+            ("largest model (B params)", [r["search"]["largest"]["n_params"] / 1e9 for r in ok]),
+            ("its iteration (ms)", [r["search"]["largest"]["iteration_ms"] for r in ok]),
+        ]
     if not ok:
         print("nothing measured: no chart")
         return
@@ -487,17 +584,16 @@ def plot(rows: List[Dict], path: str, fixed: bool) -> None:
 ATTEMPT_FILE = "BENCHMARK_MEMORY_ATTEMPT"  # environment variable: where a child writes the size it is running
 
 
-def run_isolated(name: str, argv: List[str], max_retries: int = 3) -> Dict:
+def run_isolated(name: str, argv: list[str], max_retries: int = 3) -> dict:
     """Config ``name`` measured by this script in a fresh process (the same flags); its row of the results.
     Running out of host memory is not an exception but the kernel killing the process: it is then run again with
     ``--max-layers`` one below the size it was confirming, up to ``max_retries`` times."""
-    killed: List[int] = []
+    killed: list[int] = []
     for _ in range(max_retries + 1):
         with tempfile.TemporaryDirectory(prefix="benchmark_memory_") as tmp:
             attempt = os.path.join(tmp, "attempt")
             # argparse keeps the last occurrence of a flag: these override the parent's
-            cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--configs", name, "--out", tmp,
-                                                                         "--no-isolate"]
+            cmd = [sys.executable, os.path.abspath(__file__)] + argv + ["--configs", name, "--out", tmp, "--no-isolate"]
             if killed:
                 cmd += ["--max-layers", str(killed[-1] - 1)]
             proc = subprocess.run(cmd, env=dict(os.environ, **{ATTEMPT_FILE: attempt}))
@@ -514,7 +610,8 @@ def run_isolated(name: str, argv: List[str], max_retries: int = 3) -> Dict:
                 killed.append(int(fh.read()))
             print(f"  {name}: killed at {killed[-1]} layers (out of host memory); again below that", flush=True)
     reason = f"the process measuring it exited with status {proc.returncode}" + (
-        f" (killed at {killed} layers)" if killed else "")
+        f" (killed at {killed} layers)" if killed else ""
+    )
     print(f"[fail] {name}: {reason}")
     return dict(name=name, status="failed", reason=reason)
 
@@ -522,29 +619,45 @@ def run_isolated(name: str, argv: List[str], max_retries: int = 3) -> Dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--geometry", default=None, choices=sorted(FAMILIES) + ["llama_1b"],
-                    help="llama70b (default on cuda): the fit search over Llama-2-70B layers; tiny (default on cpu): "
-                         "the same over a 0.18M-param-a-layer Llama; llama_1b: every config at TinyLlama-1.1B, no "
-                         "search")
+    ap.add_argument(
+        "--geometry",
+        default=None,
+        choices=sorted(FAMILIES) + ["llama_1b"],
+        help="llama70b (default on cuda): the fit search over Llama-2-70B layers; tiny (default on cpu): "
+        "the same over a 0.18M-param-a-layer Llama; llama_1b: every config at TinyLlama-1.1B, no "
+        "search",
+    )
     ap.add_argument("--configs", default=None, help="comma list of: " + ",".join(config_table()) + " (default: all)")
     ap.add_argument("--device-gb", type=float, default=139.0, help="GPU memory limit (on a CPU: the memory limit)")
     ap.add_argument("--host-gb", type=float, default=128.0, help="host memory limit of the machine (CUDA)")
     ap.add_argument("--margin", type=float, default=0.97, help="the fit aims at this fraction of each limit")
     ap.add_argument("--fit-layers", default="1,2", help="the two (or more) layer counts the fit is measured at")
     ap.add_argument("--max-layers", type=int, default=80, help="the largest layer count tried (Llama-2-70B: 80)")
-    ap.add_argument("--confirm", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the predicted size (stepping down a layer on running out of memory)")
+    ap.add_argument(
+        "--confirm",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the predicted size (stepping down a layer on running out of memory)",
+    )
     ap.add_argument("--max-retries", type=int, default=3, help="layers the confirmation may step down")
     ap.add_argument("--iters", type=int, default=5, help="timed iterations at the confirmed or fixed size")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--fit-iters", type=int, default=2, help="timed iterations at the fit's sizes")
     ap.add_argument("--fit-warmup", type=int, default=1)
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                    help="our optimizers' compile option (default: on with CUDA, off on a CPU)")
-    ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                    help="measure each config in a process of its own (default: on with CUDA): host memory that a "
-                         "peer's pinned-memory cache keeps, and the GPU allocator's fragments, would otherwise count "
-                         "against the configs measured after it")
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="our optimizers' compile option (default: on with CUDA, off on a CPU)",
+    )
+    ap.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure each config in a process of its own (default: on with CUDA): host memory that a "
+        "peer's pinned-memory cache keeps, and the GPU allocator's fragments, would otherwise count "
+        "against the configs measured after it",
+    )
     ap.add_argument("--out", default="results/memory")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args(argv)
@@ -571,17 +684,26 @@ def main(argv=None):
         # the host limit: the machine's, less what the process holds already, and no more than is available
         limits["host"] = min(args.host_gb * 1e9 - _status_kb("VmRSS"), _meminfo("MemAvailable"))
     budgets = {k: v * args.margin for k, v in limits.items()}
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if cuda else "cpu",
-               date=time.strftime("%Y-%m-%d"), cpu_count=os.cpu_count(), host_total_bytes=_meminfo("MemTotal"),
-               command=" ".join(["python", "benchmarks/benchmark_memory.py"] + list(argv if argv is not None
-                                                                                     else sys.argv[1:])))
+    env = dict(
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name() if cuda else "cpu",
+        date=time.strftime("%Y-%m-%d"),
+        cpu_count=os.cpu_count(),
+        host_total_bytes=_meminfo("MemTotal"),
+        command=" ".join(
+            ["python", "benchmarks/benchmark_memory.py"] + list(argv if argv is not None else sys.argv[1:])
+        ),
+    )
     for pkg in ("bitsandbytes", "torchao", "triton"):
         try:
             env[pkg] = importlib.import_module(pkg).__version__
         except Exception:
             pass
-    print(f"# {env['date']} torch {env['torch']} on {env['device']}; geometry {geometry}; limits "
-          + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in limits.items()) + f" (aiming at {args.margin:.0%})")
+    print(
+        f"# {env['date']} torch {env['torch']} on {env['device']}; geometry {geometry}; limits "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB" for k, v in limits.items())
+        + f" (aiming at {args.margin:.0%})"
+    )
 
     rows = []
     isolate = cuda if args.isolate is None else args.isolate
@@ -589,8 +711,12 @@ def main(argv=None):
         rows.append(run_isolated(name, argv))
     for name in [] if isolate and len(names) > 1 else names:
         config = table[name]
-        row = dict(name=name, description=config.description, dtype=str(config.dtype).removeprefix("torch."),
-                   step_in_backward=config.in_backward)
+        row = dict(
+            name=name,
+            description=config.description,
+            dtype=str(config.dtype).removeprefix("torch."),
+            step_in_backward=config.in_backward,
+        )
         reason = skip_reason(config, device)
         if reason:
             print(f"[skip] {name}: {reason}")
@@ -604,8 +730,9 @@ def main(argv=None):
                 print("  " + _describe(r), flush=True)
                 rows.append(dict(row, status="ok", run=r))
             else:
-                rows.append(dict(row, status="ok", search=search(config, FAMILIES[geometry], device, args, budgets,
-                                                                 limits)))
+                rows.append(
+                    dict(row, status="ok", search=search(config, FAMILIES[geometry], device, args, budgets, limits))
+                )
         except Exception as err:  # noqa: BLE001
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
             print(f"[fail] {name}: {reason}")
@@ -614,9 +741,15 @@ def main(argv=None):
 
     fixed = geometry == "llama_1b"
     (print_fixed_table if fixed else print_fit_table)(rows, cuda)
-    result = dict(env=env, geometry=geometry, limits_bytes=limits, budgets_bytes=budgets, margin=args.margin,
-                  layer_params=None if fixed else numel(FAMILIES[geometry].shapes(1)) - numel(
-                      FAMILIES[geometry].shapes(0)), results=rows)
+    result = dict(
+        env=env,
+        geometry=geometry,
+        limits_bytes=limits,
+        budgets_bytes=budgets,
+        margin=args.margin,
+        layer_params=None if fixed else numel(FAMILIES[geometry].shapes(1)) - numel(FAMILIES[geometry].shapes(0)),
+        results=rows,
+    )
     if fixed:
         result["offload_acceptance"] = offload_acceptance(rows)
     os.makedirs(args.out, exist_ok=True)

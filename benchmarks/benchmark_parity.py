@@ -14,12 +14,13 @@ e5m2 for FP8's ``exp_avg_sq``.
     python benchmarks/benchmark_parity.py                    # every registered format, seed 0
     python benchmarks/benchmark_parity.py --variants --seeds 0,1,2
 """
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -40,8 +41,9 @@ def parity_error(state_format: str, seed: int = 0, compile: bool = False) -> flo
     init = [torch.randn(shape, generator=gen) for shape in SHAPES]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    opt = torchao_optim.AdamW(ours, lr=LR, weight_decay=WEIGHT_DECAY, state_format=state_format, compile=compile,
-                              fused=False)
+    opt = torchao_optim.AdamW(
+        ours, lr=LR, weight_decay=WEIGHT_DECAY, state_format=state_format, compile=compile, fused=False
+    )
     ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
     for step in range(STEPS):
         for p, q in zip(ours, ref):
@@ -53,7 +55,7 @@ def parity_error(state_format: str, seed: int = 0, compile: bool = False) -> flo
     return total / sum(p.numel() for p in ours)
 
 
-def register_variants() -> List[str]:
+def register_variants() -> list[str]:
     """Register the alternatives the defaults were chosen over (names starting with ``variant_``)."""
     variants = {
         "variant_4bit_dynamic": (FourBitTensor, {"first_moment": "dynamic"}),
@@ -67,25 +69,27 @@ def register_variants() -> List[str]:
     return list(variants)
 
 
-def run(formats: Sequence[str], seeds: Sequence[int], compile: bool = False) -> Dict[str, List[float]]:
+def run(formats: Sequence[str], seeds: Sequence[int], compile: bool = False) -> dict[str, list[float]]:
     return {fmt: [parity_error(fmt, seed, compile) for seed in seeds] for fmt in formats}
 
 
-def table(results: Dict[str, List[float]]) -> str:
-    lines = ["| state format | mean abs param error vs fp32 AdamW (per seed) | torchao 0.18 | lower |",
-             "|---|---|---|---|"]
+def table(results: dict[str, list[float]]) -> str:
+    lines = [
+        "| state format | mean abs param error vs fp32 AdamW (per seed) | torchao 0.18 | lower |",
+        "|---|---|---|---|",
+    ]
     for fmt, errors in results.items():
         bar = TORCHAO.get(fmt)
         lower = "" if bar is None else ("yes" if max(errors) < bar else "**no**")
-        lines.append(f"| {fmt} | {', '.join(f'{e:.3e}' for e in errors)} | {'' if bar is None else f'{bar:.1e}'} "
-                     f"| {lower} |")
+        lines.append(
+            f"| {fmt} | {', '.join(f'{e:.3e}' for e in errors)} | {'' if bar is None else f'{bar:.1e}'} | {lower} |"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--formats", default=None,
-                        help="comma-separated state formats (default: every registered one)")
+    parser.add_argument("--formats", default=None, help="comma-separated state formats (default: every registered one)")
     parser.add_argument("--variants", action="store_true", help="also the alternatives the defaults beat")
     parser.add_argument("--seeds", default="0", help="comma-separated seeds (default: 0)")
     parser.add_argument("--compile", action="store_true", help="the compiled step (default: eager, same codes)")

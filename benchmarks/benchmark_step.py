@@ -21,6 +21,7 @@ bytes / copy bandwidth measured in the same run) and to torch's fused AdamW. Wri
 Optimizer names are those of ``benchmarks/optimizers.py`` (``--optims AdamWTorchFused,AdamW-4bit,...``; the
 older ``torch_fused``, ``ours_<format>``, ``ours_<format>_compiled``, ``bnb_8bit``, ``torchao_8bit`` still work).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Tuple
+from collections.abc import Callable
 
 if "--warm-cache" not in sys.argv:  # cold caches, so that the first step includes every compile
     _cache = tempfile.mkdtemp(prefix="bench_step_cache_")
@@ -42,46 +43,49 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import optimizers  # noqa: E402  (the optimizer table every benchmark shares)
+
 import torchao_optim  # noqa: E402
 
-Shape = Tuple[int, ...]
+Shape = tuple[int, ...]
 
 
 # ---- geometries ------------------------------------------------------------------------------------
-def vit_b_shapes(num_classes: int = 45) -> List[Shape]:
+def vit_b_shapes(num_classes: int = 45) -> list[Shape]:
     """timm's vit_base_patch16_224 with a 45-class head (resisc45): 85.8M params, 152 tensors."""
     d, mlp = 768, 3072
-    shapes: List[Shape] = [(1, 1, d), (1, 197, d), (d, 3, 16, 16), (d,)]
+    shapes: list[Shape] = [(1, 1, d), (1, 197, d), (d, 3, 16, 16), (d,)]
     for _ in range(12):
         shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (mlp, d), (mlp,), (d, mlp), (d,)]
     return shapes + [(d,), (d,), (num_classes, d), (num_classes,)]
 
 
-def llama_1b_shapes() -> List[Shape]:
+def llama_1b_shapes() -> list[Shape]:
     """TinyLlama-1.1B: hidden 2048, 22 layers, intermediate 5632, kv dim 256, vocab 32000; 201 tensors."""
     h, inter, kv, vocab = 2048, 5632, 256, 32000
-    shapes: List[Shape] = [(vocab, h)]
+    shapes: list[Shape] = [(vocab, h)]
     for _ in range(22):
         shapes += [(h, h), (kv, h), (kv, h), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
     return shapes + [(h,), (vocab, h)]
 
 
-def gpt25m_shapes() -> List[Shape]:
+def gpt25m_shapes() -> list[Shape]:
     """A byte-level GPT: d=512, 8 layers, context 512, untied head; 25.74M params, 101 tensors."""
     d = 512
-    shapes: List[Shape] = [(256, d), (512, d)]
+    shapes: list[Shape] = [(256, d), (512, d)]
     for _ in range(8):
         shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
     return shapes + [(d,), (d,), (256, d)]
 
 
-GEOMETRIES: Dict[str, Callable[[], List[Shape]]] = {
-    "vit_b": vit_b_shapes, "llama_1b": llama_1b_shapes, "gpt25m": gpt25m_shapes,
+GEOMETRIES: dict[str, Callable[[], list[Shape]]] = {
+    "vit_b": vit_b_shapes,
+    "llama_1b": llama_1b_shapes,
+    "gpt25m": gpt25m_shapes,
 }
 
 
 # ---- optimizers ------------------------------------------------------------------------------------
-def default_optims(device: str) -> List[str]:
+def default_optims(device: str) -> list[str]:
     """torch's fused and foreach AdamW, AdamW with every registered format (and its compiled path: every format on
     CUDA, dtq8's for reference on the CPU, where it is slow), and the peers that are installed (the reason is
     printed for the others)."""
@@ -118,7 +122,7 @@ def copy_bandwidth(device: str) -> float:
 WARM_S = 0.3  # seconds of steps before each optimizer's timed ones, on a GPU
 
 
-def draw_params(shapes, dtype, device) -> List[torch.nn.Parameter]:
+def draw_params(shapes, dtype, device) -> list[torch.nn.Parameter]:
     """Parameters of ``shapes`` (scale 0.02) with gradients (scale 1e-3), drawn where they live: a
     1.1B-parameter set in a second on a GPU, where drawing on the host and copying takes a minute."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -138,7 +142,7 @@ def warm_up(step: Callable[[], None]) -> None:
         torch.cuda.synchronize()
 
 
-def step_times(step: Callable[[], None], device: str, steps: int) -> Dict[str, float]:
+def step_times(step: Callable[[], None], device: str, steps: int) -> dict[str, float]:
     """Medians over ``steps`` calls of ``step``, in ms: ``alone`` (CUDA events from an idle GPU, the host's time
     before the first kernel included), ``host`` (the call's wall time), ``device`` (events around the step queued
     behind a GPU spin that covers the host's time: the step's own time on the device) and ``step``, the larger of
@@ -153,7 +157,7 @@ def step_times(step: Callable[[], None], device: str, steps: int) -> Dict[str, f
     return {k: 1e3 * v for k, v in out.items()}
 
 
-def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
+def bench_one(name, shapes, dtype, device, steps, warmup) -> dict:
     torch._dynamo.reset()
     params = draw_params(shapes, dtype, device)
     opt = optimizers.build(name, params)
@@ -164,16 +168,22 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
         warm_up(opt.step)
     times = step_times(opt.step, device, steps)
 
-    def step_new_lr(i=[0]):
+    def step_new_lr(i=[0]):  # noqa: B006 - the counter of calls, kept between them
         i[0] += 1
-        optimizers.set_lr(opt, 1e-3 * (1 + 1e-3 * (i[0] % 100)))
-        opt.step()
+        optimizers.set_lr(opt, 1e-3 * (1 + 1e-3 * (i[0] % 100)))  # noqa: F821 - called before `del opt` below
+        opt.step()  # noqa: F821
 
     step_new_lr()
-    out = dict(name=name, first_step_s=first, step_ms=times["step"], device_ms=times["device"],
-               host_ms=times["host"], alone_ms=times["alone"],
-               step_lr_change_ms=step_times(step_new_lr, device, steps)["step"],
-               state_bytes=optimizers.state_nbytes(opt))
+    out = dict(
+        name=name,
+        first_step_s=first,
+        step_ms=times["step"],
+        device_ms=times["device"],
+        host_ms=times["host"],
+        alone_ms=times["alone"],
+        step_lr_change_ms=step_times(step_new_lr, device, steps)["step"],
+        state_bytes=optimizers.state_nbytes(opt),
+    )
     if device == "cuda":
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
@@ -187,7 +197,7 @@ def bench_one(name, shapes, dtype, device, steps, warmup) -> Dict:
     return out
 
 
-def set_inductor_options(options: List[str]) -> None:
+def set_inductor_options(options: list[str]) -> None:
     """Set inductor configs given as ``name=value`` (``value`` a Python literal; ``name`` dotted, as
     ``triton.autotune_pointwise``), for every compile in this process. The library passes its own
     ``torchao_optim.optim.compiled.COMPILE_OPTIONS`` to its compiles, and those win over the same names set here."""
@@ -209,22 +219,35 @@ def set_inductor_options(options: List[str]) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--geometries", default=None, help="comma list of " + ",".join(GEOMETRIES)
-                    + " (default: vit_b,llama_1b on cuda, gpt25m on cpu)")
+    ap.add_argument(
+        "--geometries",
+        default=None,
+        help="comma list of " + ",".join(GEOMETRIES) + " (default: vit_b,llama_1b on cuda, gpt25m on cpu)",
+    )
     ap.add_argument("--dtypes", default="fp32,bf16", help="parameter dtypes: fp32,bf16")
     ap.add_argument("--optims", default=None, help="comma list of names (default: all available)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 50 cuda, 10 cpu)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--warm-cache", action="store_true", help="keep the compile caches (first step not cold)")
     ap.add_argument("--out", default="results/step")
-    ap.add_argument("--formats-from", default=None,
-                    help="a Python file that registers more state formats (e.g. test/made_up_formats.py): each is "
-                         "benchmarked like the built-in ones, with no other change")
-    ap.add_argument("--no-step-graphs", action="store_true",
-                    help="issue every CUDA step from Python: no CUDA-graph replay (torchao_optim.optim.replay)")
-    ap.add_argument("--option", action="append", default=[],
-                    help="an inductor config to set first, as name=value (a Python literal), e.g. "
-                         "triton.autotune_pointwise=False; repeatable (the library's COMPILE_OPTIONS win over it)")
+    ap.add_argument(
+        "--formats-from",
+        default=None,
+        help="a Python file that registers more state formats (e.g. test/made_up_formats.py): each is "
+        "benchmarked like the built-in ones, with no other change",
+    )
+    ap.add_argument(
+        "--no-step-graphs",
+        action="store_true",
+        help="issue every CUDA step from Python: no CUDA-graph replay (torchao_optim.optim.replay)",
+    )
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="an inductor config to set first, as name=value (a Python literal), e.g. "
+        "triton.autotune_pointwise=False; repeatable (the library's COMPILE_OPTIONS win over it)",
+    )
     args = ap.parse_args(argv)
     set_inductor_options(args.option)
     if args.no_step_graphs:
@@ -245,15 +268,22 @@ def main(argv=None):
     if unknown:
         sys.exit(f"unknown optimizers: {unknown}; known: {', '.join(optimizers.names())}")
     for n in [n for n in names if optimizers.missing_package(n)]:  # asked for, but not installed: said, skipped
-        print(f"[skip] {n}: cannot import {optimizers.missing_package(n)[0]} "
-              f"(pip install {optimizers.missing_package(n)[1]})")
+        print(
+            f"[skip] {n}: cannot import {optimizers.missing_package(n)[0]} "
+            f"(pip install {optimizers.missing_package(n)[1]})"
+        )
         names.remove(n)
     if device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     bandwidth = copy_bandwidth(device)
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-               date=time.strftime("%Y-%m-%d"), copy_bandwidth_gbs=bandwidth / 1e9, cpu_count=os.cpu_count(),
-               command=" ".join(["python", "benchmarks/benchmark_step.py"] + (argv or sys.argv[1:])))
+    env = dict(
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        date=time.strftime("%Y-%m-%d"),
+        copy_bandwidth_gbs=bandwidth / 1e9,
+        cpu_count=os.cpu_count(),
+        command=" ".join(["python", "benchmarks/benchmark_step.py"] + (argv or sys.argv[1:])),
+    )
     print(f"# {env['date']} torch {env['torch']} on {env['device']}; copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     results = []
     for geo in geometries:
@@ -261,8 +291,10 @@ def main(argv=None):
         n_params = sum(torch.Size(s).numel() for s in shapes)
         for dname in args.dtypes.split(","):
             dtype = dtypes[dname]
-            print(f"\n## {geo} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {dname} params; the floor "
-                  f"of each optimizer is its own bytes moved (params, grads, its state) over the copy bandwidth")
+            print(
+                f"\n## {geo} ({n_params / 1e6:.1f}M params, {len(shapes)} tensors), {dname} params; the floor "
+                f"of each optimizer is its own bytes moved (params, grads, its state) over the copy bandwidth"
+            )
             rows = []
             for name in names:
                 try:
@@ -271,23 +303,33 @@ def main(argv=None):
                     print(f"[fail] {name}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
                     continue
                 floor_ms = floor_bytes(n_params, dtype.itemsize, r["state_bytes"]) / bandwidth * 1e3
-                r.update(geometry=geo, dtype=dname, n_params=n_params, n_tensors=len(shapes), floor_ms=floor_ms,
-                         state_bytes_per_param=r["state_bytes"] / n_params)
+                r.update(
+                    geometry=geo,
+                    dtype=dname,
+                    n_params=n_params,
+                    n_tensors=len(shapes),
+                    floor_ms=floor_ms,
+                    state_bytes_per_param=r["state_bytes"] / n_params,
+                )
                 rows.append(r)
             fused = next((r["step_ms"] for r in rows if optimizers.resolve(r["name"]) == "AdamWTorchFused"), None)
-            print("| optimizer | step ms | floor ms | x floor | x torch fused | lr-change ms | device ms | host ms | "
-                  "alone ms | first step s | state B/param |" + (" transient MB |" if device == "cuda" else ""))
+            print(
+                "| optimizer | step ms | floor ms | x floor | x torch fused | lr-change ms | device ms | host ms | "
+                "alone ms | first step s | state B/param |" + (" transient MB |" if device == "cuda" else "")
+            )
             print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if device == "cuda" else ""))
             for r in rows:
                 r["x_floor"] = r["step_ms"] / r["floor_ms"]
                 r["x_torch_fused"] = r["step_ms"] / fused if fused else None
                 x_fused = "" if r["x_torch_fused"] is None else f"{r['x_torch_fused']:.2f}"
-                print(f"| {r['name']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {x_fused} | "
-                      f"{r['step_lr_change_ms']:.3f} | {r['device_ms']:.3f} | {r['host_ms']:.3f} | "
-                      f"{r['alone_ms']:.3f} | "
-                      f"{r['first_step_s']:.1f} | "
-                      f"{r['state_bytes_per_param']:.2f} |"
-                      + (f" {r['transient_peak_mb']:.1f} |" if device == "cuda" else ""))
+                print(
+                    f"| {r['name']} | {r['step_ms']:.3f} | {r['floor_ms']:.3f} | {r['x_floor']:.2f} | {x_fused} | "
+                    f"{r['step_lr_change_ms']:.3f} | {r['device_ms']:.3f} | {r['host_ms']:.3f} | "
+                    f"{r['alone_ms']:.3f} | "
+                    f"{r['first_step_s']:.1f} | "
+                    f"{r['state_bytes_per_param']:.2f} |"
+                    + (f" {r['transient_peak_mb']:.1f} |" if device == "cuda" else "")
+                )
             results += rows
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"step_{device}.json"), "w") as fh:
@@ -310,8 +352,14 @@ def _plot(results, path):
     for ax, (geo, dt) in zip(axes[0], cases):
         rows = [r for r in results if (r["geometry"], r["dtype"]) == (geo, dt)]
         ax.barh([r["name"] for r in rows], [r["step_ms"] for r in rows])
-        ax.scatter([r["floor_ms"] for r in rows], [r["name"] for r in rows], color="k", marker="|", s=200,
-                   label="floor (own bytes)")
+        ax.scatter(
+            [r["floor_ms"] for r in rows],
+            [r["name"] for r in rows],
+            color="k",
+            marker="|",
+            s=200,
+            label="floor (own bytes)",
+        )
         ax.set_xscale("log")
         ax.set_xlabel("step time (ms, log)")
         ax.set_title(f"{geo}, {dt} params")

@@ -12,6 +12,7 @@ unset: the interpreter never compiles).
     python benchmarks/count_instructions.py                          # dtq8-like: 8-bit codes, fp32 params
     python benchmarks/count_instructions.py --bits 4 --block 128 --dtype bf16
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num_warps: int = 1,
-                   maxnreg=None):
+def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num_warps: int = 1, maxnreg=None):
     """``kernel`` (a ``triton.jit`` function) compiled for sm_``arch`` with Triton's CUDA backend, no GPU needed:
     ``signature`` types its tensor and scalar arguments (``"*fp32"``, ...), ``constants`` gives its constexprs."""
     import triton
@@ -36,8 +36,7 @@ def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num
 
     signature = dict(signature, **{name: "constexpr" for name in constants})
     names = kernel.arg_names
-    source = ASTSource(fn=kernel, signature=signature,
-                       constexprs={(names.index(k),): v for k, v in constants.items()})
+    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     options = {"num_warps": num_warps, **({"maxnreg": maxnreg} if maxnreg else {})}
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
@@ -46,25 +45,57 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
     import torch
     import triton.language as tl
 
-    from torchao_optim.kernels.triton_adam import adam_kernel
-    from torchao_optim.rules import ADAM
     from torchao_optim.kernels.tables import flat_shift
+    from torchao_optim.kernels.triton_adam import adam_kernel
     from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
+    from torchao_optim.rules import ADAM
     from torchao_optim.state import get_state_format
     from torchao_optim.state.layout import StateLayout
 
     param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
-    signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
-                 "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64",
-                 "m_values": "*fp32", "m_level1": "*i32", "m_level2": "*i32",
-                 "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
-    constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=block, BLOCK=max(block, MIN_TILE),
-                     VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=PREFETCH, ALIGNED=True,
-                     UPDATE=ADAM.triton_update(), OPTION=True, MAXIMIZE=False, PTX=True, SR=False,
-                     M_QUANT=True, M_BITS=bits, V_QUANT=True, V_BITS=bits, M_SIGNED=True, V_SIGNED=False, PDL=True)
+    signature = {
+        "ptrs": "*i64",
+        "grad_ptrs": "*i64",
+        "numels": "*i64",
+        "coefs": "*fp32",
+        "prog_tensor": "*i32",
+        "prog_block": "*i32",
+        "prog_tiles": "*i32",
+        "steps": "*fp32",
+        "round_info": "*i64",
+        "m_values": "*fp32",
+        "m_level1": "*i32",
+        "m_level2": "*i32",
+        "v_values": "*fp32",
+        "v_level1": "*i32",
+        "v_level2": "*i32",
+    }
+    constants = dict(
+        PARAM_DTYPE=param,
+        GRAD_DTYPE=param,
+        QBLOCK=block,
+        BLOCK=max(block, MIN_TILE),
+        VEC=16 // (4 if dtype == "fp32" else 2),
+        PREFETCH=PREFETCH,
+        ALIGNED=True,
+        UPDATE=ADAM.triton_update(),
+        OPTION=True,
+        MAXIMIZE=False,
+        PTX=True,
+        SR=False,
+        M_QUANT=True,
+        M_BITS=bits,
+        V_QUANT=True,
+        V_BITS=bits,
+        M_SIGNED=True,
+        V_SIGNED=False,
+        PDL=True,
+    )
     # the encoders' form as the planner picks it for the built-in format of this code width
-    m, v = (get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed).fast_path_layout()
-            for signed in (True, False))
+    m, v = (
+        get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed).fast_path_layout()
+        for signed in (True, False)
+    )
     constants.update(M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"))
     # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
@@ -99,16 +130,21 @@ def main_loop(sass: str):
             instructions.append((address, ins.group(2)))
             labels.update({name: address for name in pending})
             pending = []
-    loops = [(labels[m.group(1)], a) for a, text in instructions
-             for m in [re.search(r"BRA.*?\(\.(L_x_\d+)\)", text)] if m and labels[m.group(1)] < a]
+    loops = [
+        (labels[m.group(1)], a)
+        for a, text in instructions
+        for m in [re.search(r"BRA.*?\(\.(L_x_\d+)\)", text)]
+        if m and labels[m.group(1)] < a
+    ]
     if not loops:
         raise RuntimeError("no loop found in the kernel's SASS")
     start, end = max(loops, key=lambda x: x[1] - x[0])
     return [text for a, text in instructions if start <= a <= end]
 
 
-def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1,
-          maxnreg: str = "auto") -> dict:
+def count(
+    dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1, maxnreg: str = "auto"
+) -> dict:
     """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack."""
     compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg)
     cubin = compiled.asm["cubin"]
@@ -118,9 +154,15 @@ def count(dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, 
     # global loads and stores of single bytes: a thread's codes are 4 or 8 contiguous bytes, one access when the
     # compiler can prove the mask the same for all of them
     byte_accesses = sum(1 for t in loop if re.search(r"\b[LS]TG\.E\.U8\b", t))
-    return dict(instructions=len(loop), per_thread=per_thread, per_element=len(loop) / per_thread,
-                opcodes=opcodes, registers=int(usage.group(1)), stack_bytes=int(usage.group(2)),
-                byte_accesses=byte_accesses)
+    return dict(
+        instructions=len(loop),
+        per_thread=per_thread,
+        per_element=len(loop) / per_thread,
+        opcodes=opcodes,
+        registers=int(usage.group(1)),
+        stack_bytes=int(usage.group(2)),
+        byte_accesses=byte_accesses,
+    )
 
 
 def main():
@@ -130,11 +172,16 @@ def main():
     ap.add_argument("--block", type=int, default=256, help="quantization block size")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90")
     ap.add_argument("--warps", type=int, default=1)
-    ap.add_argument("--maxnreg", default="auto",
-                    help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)")
-    ap.add_argument("--flat-bits", type=int, default=None,
-                    help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa "
-                         "bits per exponent (default: kernels.tables.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)")
+    ap.add_argument(
+        "--maxnreg", default="auto", help="register cap (auto: the planner's, optim.fused.REGISTER_CAPS; 0: none)"
+    )
+    ap.add_argument(
+        "--flat-bits",
+        type=int,
+        default=None,
+        help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa "
+        "bits per exponent (default: kernels.tables.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
     if args.flat_bits is not None:
@@ -145,11 +192,15 @@ def main():
     if args.json:
         print(json.dumps(c))
         return
-    print(f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
-          f"{c['registers']} registers, {c['stack_bytes']} bytes of stack, {c['byte_accesses']} single-byte "
-          f"global loads and stores in the loop")
-    print(f"main loop: {c['instructions']} instructions for {c['per_thread']} elements per thread, "
-          f"{c['per_element']:.1f} per element")
+    print(
+        f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
+        f"{c['registers']} registers, {c['stack_bytes']} bytes of stack, {c['byte_accesses']} single-byte "
+        f"global loads and stores in the loop"
+    )
+    print(
+        f"main loop: {c['instructions']} instructions for {c['per_thread']} elements per thread, "
+        f"{c['per_element']:.1f} per element"
+    )
     print("by opcode:", ", ".join(f"{op} {n}" for op, n in c["opcodes"].most_common()))
 
 

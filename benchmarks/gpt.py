@@ -5,11 +5,11 @@ Pre-LayerNorm blocks (``x + attn(ln(x))``, ``x + mlp(ln(x))``), causal multi-hea
 embeddings, and an output head separate from (untied to) the input embedding. No dropout: a run is a
 deterministic function of its seed.
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Dict, List
 
 import torch
 import torch.nn as nn
@@ -110,7 +110,7 @@ class GPT(nn.Module):
         logits = self.head(self.ln_out(x))
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
-    def param_groups(self, weight_decay: float) -> List[Dict]:
+    def param_groups(self, weight_decay: float) -> list[dict]:
         """Two groups: weight matrices decay, embeddings, biases and LayerNorm weights do not."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():

@@ -14,7 +14,8 @@ edit. Names:
 - peers, where installed: ``AdamBnb8bit``, ``AdamWBnb8bit`` (bitsandbytes), ``AdamWTorchao8bit``,
   ``AdamWTorchao4bit``, ``AdamWTorchaoFp8`` (torchao);
 - the other rules, each beside its full-precision form: ``SGD`` (``torch.optim.SGD``, momentum 0.9), ``SGD8bit``,
-  ``SGDTorchQuantized`` (``quantize_optimizer_state`` over ``torch.optim.SGD(foreach=True)``), ``AdamWTorchQuantized`` (the same over
+  ``SGDTorchQuantized`` (``quantize_optimizer_state`` over ``torch.optim.SGD(foreach=True)``),
+  ``AdamWTorchQuantized`` (the same over
   ``torch.optim.AdamW(foreach=True)``), ``Lion`` / ``Lion8bit`` (``Lion8bit(state_format="none")`` / default),
   ``Muon`` / ``Muon8bit``, and bitsandbytes' ``SGDBnb8bit`` and ``LionBnb8bit``. A benchmark hands every
   optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
@@ -23,6 +24,7 @@ edit. Names:
 
 Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,8 +32,8 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,8 +43,21 @@ import torchao_optim  # noqa: E402
 from torchao_optim.optim.sharded import is_dtensor  # noqa: E402
 from torchao_optim.state import QuantizedState  # noqa: E402
 
-__all__ = ["OptimizerEntry", "optimizer_table", "resolve", "build", "missing_package", "state_nbytes",
-           "state_bytes_per_element", "lr_at", "set_lr", "time_call", "timed", "wall_time", "ALIASES"]
+__all__ = [
+    "OptimizerEntry",
+    "optimizer_table",
+    "resolve",
+    "build",
+    "missing_package",
+    "state_nbytes",
+    "state_bytes_per_element",
+    "lr_at",
+    "set_lr",
+    "time_call",
+    "timed",
+    "wall_time",
+    "ALIASES",
+]
 
 
 @dataclass(frozen=True)
@@ -53,8 +68,8 @@ class OptimizerEntry:
     name: str
     description: str
     make: Callable[..., torch.optim.Optimizer]
-    requires: Optional[Tuple[str, str]] = None
-    state_format: Optional[str] = None
+    requires: tuple[str, str] | None = None
+    state_format: str | None = None
 
 
 def _torch(cls, **options):
@@ -81,6 +96,7 @@ def _peer(module: str, class_name: str):
 
 def _scaled(make_optimizer, scale: float):
     """A factory whose optimizer runs at ``scale`` times the benchmark's lr (weight decay divided by it)."""
+
     def make(params, lr, weight_decay, betas, eps, compile):
         optimizer = make_optimizer(params, lr * scale, weight_decay / scale, compile)
         optimizer.lr_scale = scale
@@ -89,94 +105,180 @@ def _scaled(make_optimizer, scale: float):
     return make
 
 
-def _other_rules() -> List[OptimizerEntry]:
+def _other_rules() -> list[OptimizerEntry]:
     """The one-state optimizers and ``quantize_optimizer_state``, each beside its full-precision form."""
     o, bnb = torchao_optim, ("bitsandbytes", "bitsandbytes")
     qos = o.quantize_optimizer_state
 
     def bnb_rule(class_name, **kw):
         return lambda ps, lr, wd, compile: getattr(importlib.import_module("bitsandbytes.optim"), class_name)(
-            ps, lr=lr, weight_decay=wd, **kw)
+            ps, lr=lr, weight_decay=wd, **kw
+        )
 
     def muon(state_format):
         def make(params, lr, weight_decay, betas, eps, compile):
-            return o.Muon8bit(params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw",
-                              state_format=state_format, compile=compile)
+            return o.Muon8bit(
+                params,
+                lr=lr,
+                weight_decay=weight_decay,
+                adjust_lr_fn="match_rms_adamw",
+                state_format=state_format,
+                compile=compile,
+            )
 
         return make
 
     return [
-        OptimizerEntry("SGD", "torch.optim.SGD(momentum=0.9)", _scaled(
-            lambda ps, lr, wd, c: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=wd), 50)),
-        OptimizerEntry("SGD8bit", "torchao_optim.SGD8bit(momentum=0.9)", _scaled(
-            lambda ps, lr, wd, c: o.SGD8bit(ps, lr=lr, momentum=0.9, weight_decay=wd, compile=c), 50), None, "dtq8"),
-        OptimizerEntry("SGDTorchQuantized", "quantize_optimizer_state(torch.optim.SGD(momentum=0.9, foreach=True))", _scaled(
-            lambda ps, lr, wd, c: qos(torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=wd, foreach=True)),
-            50), None, "dtq8"),
-        OptimizerEntry("SGDBnb8bit", "bitsandbytes.optim.SGD8bit(momentum=0.9)",
-                       _scaled(bnb_rule("SGD8bit", momentum=0.9), 50), bnb),
-        OptimizerEntry("AdamWTorchQuantized", "quantize_optimizer_state(torch.optim.AdamW(foreach=True))",
-                       lambda ps, lr, weight_decay, betas, eps, compile: qos(torch.optim.AdamW(
-                           ps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=True)), None, "dtq8"),
-        OptimizerEntry("Lion", "torchao_optim.Lion8bit(state_format='none') (fp32 state)", _scaled(
-            lambda ps, lr, wd, c: o.Lion8bit(ps, lr=lr, weight_decay=wd, state_format="none", compile=c), 1 / 3),
-            None, "none"),
-        OptimizerEntry("Lion8bit", "torchao_optim.Lion8bit", _scaled(
-            lambda ps, lr, wd, c: o.Lion8bit(ps, lr=lr, weight_decay=wd, compile=c), 1 / 3), None, "dtq8"),
+        OptimizerEntry(
+            "SGD",
+            "torch.optim.SGD(momentum=0.9)",
+            _scaled(lambda ps, lr, wd, c: torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=wd), 50),
+        ),
+        OptimizerEntry(
+            "SGD8bit",
+            "torchao_optim.SGD8bit(momentum=0.9)",
+            _scaled(lambda ps, lr, wd, c: o.SGD8bit(ps, lr=lr, momentum=0.9, weight_decay=wd, compile=c), 50),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "SGDTorchQuantized",
+            "quantize_optimizer_state(torch.optim.SGD(momentum=0.9, foreach=True))",
+            _scaled(
+                lambda ps, lr, wd, c: qos(torch.optim.SGD(ps, lr=lr, momentum=0.9, weight_decay=wd, foreach=True)), 50
+            ),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "SGDBnb8bit",
+            "bitsandbytes.optim.SGD8bit(momentum=0.9)",
+            _scaled(bnb_rule("SGD8bit", momentum=0.9), 50),
+            bnb,
+        ),
+        OptimizerEntry(
+            "AdamWTorchQuantized",
+            "quantize_optimizer_state(torch.optim.AdamW(foreach=True))",
+            lambda ps, lr, weight_decay, betas, eps, compile: qos(
+                torch.optim.AdamW(ps, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, foreach=True)
+            ),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "Lion",
+            "torchao_optim.Lion8bit(state_format='none') (fp32 state)",
+            _scaled(
+                lambda ps, lr, wd, c: o.Lion8bit(ps, lr=lr, weight_decay=wd, state_format="none", compile=c), 1 / 3
+            ),
+            None,
+            "none",
+        ),
+        OptimizerEntry(
+            "Lion8bit",
+            "torchao_optim.Lion8bit",
+            _scaled(lambda ps, lr, wd, c: o.Lion8bit(ps, lr=lr, weight_decay=wd, compile=c), 1 / 3),
+            None,
+            "dtq8",
+        ),
         OptimizerEntry("LionBnb8bit", "bitsandbytes.optim.Lion8bit", _scaled(bnb_rule("Lion8bit"), 1 / 3), bnb),
-        OptimizerEntry("Muon", "torchao_optim.Muon8bit(state_format='none') (fp32 state)", muon("none"), None,
-                       "none"),
+        OptimizerEntry("Muon", "torchao_optim.Muon8bit(state_format='none') (fp32 state)", muon("none"), None, "none"),
         OptimizerEntry("Muon8bit", "torchao_optim.Muon8bit", muon("dtq8"), None, "dtq8"),
     ]
 
 
-def optimizer_table() -> Dict[str, OptimizerEntry]:
+def optimizer_table() -> dict[str, OptimizerEntry]:
     """Every optimizer a benchmark accepts, by name (see the module docstring), in a stable order."""
     entries = [
         OptimizerEntry("Adam", "torch.optim.Adam (fp32 state)", _torch(torch.optim.Adam)),
         OptimizerEntry("AdamW", "torch.optim.AdamW (fp32 state)", _torch(torch.optim.AdamW)),
         OptimizerEntry("AdamWTorchFused", "torch.optim.AdamW(fused=True)", _torch(torch.optim.AdamW, fused=True)),
-        OptimizerEntry("AdamWTorchForeach", "torch.optim.AdamW(foreach=True)",
-                       _torch(torch.optim.AdamW, foreach=True)),
+        OptimizerEntry("AdamWTorchForeach", "torch.optim.AdamW(foreach=True)", _torch(torch.optim.AdamW, foreach=True)),
     ]
-    named = {"AdamW8bit": "dtq8", "AdamDTQ8bit": "dtq8", "AdamWDTQ8bit": "dtq8", "Adam4bit": "4bit",
-             "AdamW4bit": "4bit", "AdamFp8": "fp8", "AdamWFp8": "fp8"}
+    named = {
+        "AdamW8bit": "dtq8",
+        "AdamDTQ8bit": "dtq8",
+        "AdamWDTQ8bit": "dtq8",
+        "Adam4bit": "4bit",
+        "AdamW4bit": "4bit",
+        "AdamFp8": "fp8",
+        "AdamWFp8": "fp8",
+    }
     for name, fmt in named.items():
         cls = torchao_optim.AdamW8bit if name == "AdamWDTQ8bit" else getattr(torchao_optim, name)
         entries.append(OptimizerEntry(name, f"torchao_optim.{cls.__name__} ({fmt} state)", _ours(cls), None, fmt))
     bnb = ("bitsandbytes", "bitsandbytes")
     entries += [
         OptimizerEntry("AdamBnb8bit", "bitsandbytes.optim.Adam8bit", _peer("bitsandbytes.optim", "Adam8bit"), bnb),
-        OptimizerEntry("AdamWBnb8bit", "bitsandbytes.optim.AdamW8bit", _peer("bitsandbytes.optim", "AdamW8bit"),
-                       bnb),
+        OptimizerEntry("AdamWBnb8bit", "bitsandbytes.optim.AdamW8bit", _peer("bitsandbytes.optim", "AdamW8bit"), bnb),
     ]
     for suffix, class_name in (("8bit", "AdamW8bit"), ("4bit", "AdamW4bit"), ("Fp8", "AdamWFp8")):
-        entries.append(OptimizerEntry(f"AdamWTorchao{suffix}", f"torchao.optim.{class_name}",
-                                      _peer("torchao.optim", class_name), ("torchao", "torchao")))
+        entries.append(
+            OptimizerEntry(
+                f"AdamWTorchao{suffix}",
+                f"torchao.optim.{class_name}",
+                _peer("torchao.optim", class_name),
+                ("torchao", "torchao"),
+            )
+        )
     for fmt in torchao_optim.list_state_formats() + ["none"]:
         for cls in (torchao_optim.Adam, torchao_optim.AdamW):
-            entries.append(OptimizerEntry(f"{cls.__name__}-{fmt}", f"torchao_optim.{cls.__name__}(state_format="
-                                          f"{fmt!r})", _ours(cls, state_format=fmt), None, fmt))
-        entries.append(OptimizerEntry(f"AdamWCompiled-{fmt}", f"torchao_optim.AdamW(state_format={fmt!r}, "
-                                      "fused=False)", _ours(torchao_optim.AdamW, state_format=fmt, fused=False),
-                                      None, fmt))
-    entries.append(OptimizerEntry("AdamW8bitSR", "torchao_optim.AdamW8bit(bf16_stochastic_round=True)",
-                                  _ours(torchao_optim.AdamW8bit, bf16_stochastic_round=True), None, "dtq8"))
+            entries.append(
+                OptimizerEntry(
+                    f"{cls.__name__}-{fmt}",
+                    f"torchao_optim.{cls.__name__}(state_format={fmt!r})",
+                    _ours(cls, state_format=fmt),
+                    None,
+                    fmt,
+                )
+            )
+        entries.append(
+            OptimizerEntry(
+                f"AdamWCompiled-{fmt}",
+                f"torchao_optim.AdamW(state_format={fmt!r}, fused=False)",
+                _ours(torchao_optim.AdamW, state_format=fmt, fused=False),
+                None,
+                fmt,
+            )
+        )
+    entries.append(
+        OptimizerEntry(
+            "AdamW8bitSR",
+            "torchao_optim.AdamW8bit(bf16_stochastic_round=True)",
+            _ours(torchao_optim.AdamW8bit, bf16_stochastic_round=True),
+            None,
+            "dtq8",
+        )
+    )
     entries += _other_rules()
     return {e.name: e for e in entries}
 
 
 # Names the benchmarks used before they shared this table: still accepted.
-ALIASES = {"torch_fused": "AdamWTorchFused", "torch_foreach": "AdamWTorchForeach", "bnb": "AdamWBnb8bit",
-           "bnb_8bit": "AdamWBnb8bit", "torchao": "AdamWTorchao8bit", "torchao_8bit": "AdamWTorchao8bit",
-           "torchao_4bit": "AdamWTorchao4bit", "torchao_fp8": "AdamWTorchaoFp8", "torch_sgd_foreach": "SGD",
-           "ours_sgd8bit": "SGD8bit", "ours_lion_fp32": "Lion", "ours_lion8bit": "Lion8bit",
-           "torch_foreach_quantized": "AdamWTorchQuantized", "AdamW-qos": "AdamWTorchQuantized",
-           "SGD-qos": "SGDTorchQuantized", "bnb_sgd8bit": "SGDBnb8bit", "bnb_lion8bit": "LionBnb8bit",
-           "bnb-SGD8bit": "SGDBnb8bit", "bnb-Lion8bit": "LionBnb8bit"}
+ALIASES = {
+    "torch_fused": "AdamWTorchFused",
+    "torch_foreach": "AdamWTorchForeach",
+    "bnb": "AdamWBnb8bit",
+    "bnb_8bit": "AdamWBnb8bit",
+    "torchao": "AdamWTorchao8bit",
+    "torchao_8bit": "AdamWTorchao8bit",
+    "torchao_4bit": "AdamWTorchao4bit",
+    "torchao_fp8": "AdamWTorchaoFp8",
+    "torch_sgd_foreach": "SGD",
+    "ours_sgd8bit": "SGD8bit",
+    "ours_lion_fp32": "Lion",
+    "ours_lion8bit": "Lion8bit",
+    "torch_foreach_quantized": "AdamWTorchQuantized",
+    "AdamW-qos": "AdamWTorchQuantized",
+    "SGD-qos": "SGDTorchQuantized",
+    "bnb_sgd8bit": "SGDBnb8bit",
+    "bnb_lion8bit": "LionBnb8bit",
+    "bnb-SGD8bit": "SGDBnb8bit",
+    "bnb-Lion8bit": "LionBnb8bit",
+}
 
 
-def resolve(name: str) -> Optional[str]:
+def resolve(name: str) -> str | None:
     """The table's name for ``name`` (itself, an alias, or ``ours_<format>[_compiled]``), None if unknown."""
     table = optimizer_table()
     if name in table:
@@ -184,7 +286,7 @@ def resolve(name: str) -> Optional[str]:
     if name in ALIASES:
         return ALIASES[name]
     if name.startswith("ours_"):  # ours_<format>, ours_<format>_compiled
-        fmt = name[len("ours_"):]
+        fmt = name[len("ours_") :]
         if f"AdamW-{fmt}" in table:
             return f"AdamW-{fmt}"
         if f"AdamWCompiled-{fmt.removesuffix('_compiled')}" in table and fmt.endswith("_compiled"):
@@ -192,7 +294,7 @@ def resolve(name: str) -> Optional[str]:
     return None
 
 
-def missing_package(name: str) -> Optional[Tuple[str, str]]:
+def missing_package(name: str) -> tuple[str, str] | None:
     """(import name, pip name) of the package optimizer ``name`` needs and cannot import, else None."""
     entry = optimizer_table()[resolve(name)]
     if entry.requires is None:
@@ -204,21 +306,31 @@ def missing_package(name: str) -> Optional[Tuple[str, str]]:
     return None
 
 
-def build(name: str, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.0, betas=(0.9, 0.999),
-          eps: float = 1e-8, compile: bool = True) -> torch.optim.Optimizer:
+def build(
+    name: str,
+    params: Iterable,
+    lr: float = 1e-3,
+    weight_decay: float = 0.0,
+    betas=(0.9, 0.999),
+    eps: float = 1e-8,
+    compile: bool = True,
+) -> torch.optim.Optimizer:
     """The optimizer ``name`` (or an alias) over ``params``; ``compile`` applies to torchao_optim's only."""
     resolved = resolve(name)
     if resolved is None:
         raise ValueError(f"unknown optimizer {name!r}")
-    return optimizer_table()[resolved].make(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
-                                            compile=compile)
+    return optimizer_table()[resolved].make(
+        params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps, compile=compile
+    )
 
 
 # ---- what a benchmark measures ----------------------------------------------------------------------------
 
+
 def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` (a DTensor's local shard: what this rank holds), tensor
-    subclasses counted by their inner tensors, each storage counted once (torchao's subclasses, for instance, may share a code table)."""
+    subclasses counted by their inner tensors, each storage counted once (torchao's subclasses, for instance, may share
+    a code table)."""
     seen = set()
     total = 0
 
@@ -245,7 +357,7 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def state_bytes_per_element(state_format: str, shape: Sequence[int]) -> Tuple[float, float]:
+def state_bytes_per_element(state_format: str, shape: Sequence[int]) -> tuple[float, float]:
     """Bytes of (``exp_avg``, ``exp_avg_sq``) per element for a parameter of ``shape`` in ``state_format``,
     from the format's own tensors (created on the meta device): codes and scales, whatever the format."""
     fmt = torchao_optim.get_state_format(state_format)
@@ -283,7 +395,7 @@ def time_call(fn: Callable[[], object], device: str) -> float:
     return timed(fn, device)[0]
 
 
-_SLEEP_CYCLES_PER_S: List[float] = []
+_SLEEP_CYCLES_PER_S: list[float] = []
 
 
 def _gpu_cycles_per_second() -> float:
@@ -301,7 +413,7 @@ def _gpu_cycles_per_second() -> float:
     return _SLEEP_CYCLES_PER_S[-1]
 
 
-def timed(fn: Callable[[], object], device: str, spin_s: float = 0.0) -> Tuple[float, float]:
+def timed(fn: Callable[[], object], device: str, spin_s: float = 0.0) -> tuple[float, float]:
     """``(device seconds, host seconds)`` of ``fn()``. On a GPU the device time is taken with CUDA events around
     ``fn``; with ``spin_s`` a spin of the GPU (``torch.cuda._sleep``) of that long is queued first, so that the host
     queues ``fn``'s work before the start event is reached: ``fn``'s own time on the device, as in a training loop
@@ -347,6 +459,6 @@ def wall_time(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - t0
 
 
-def names(available_only: bool = False) -> List[str]:
+def names(available_only: bool = False) -> list[str]:
     """The table's names; with ``available_only``, those whose package imports."""
     return [n for n in optimizer_table() if not available_only or missing_package(n) is None]

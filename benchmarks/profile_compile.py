@@ -11,6 +11,7 @@ Run each in a fresh process (a process compiles the compiler stack's first use o
 count: where they cannot be written (``PYTHONDONTWRITEBYTECODE``, a read-only installation) every process compiles
 the compiler's modules from source again; ``PYTHONPYCACHEPREFIX`` gives them a place.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,16 +28,21 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import torchao_optim  # noqa: E402
 from benchmark_step import GEOMETRIES, set_inductor_options  # noqa: E402
+
+import torchao_optim  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--format", default="dtq8", help="state format of the optimizer")
     ap.add_argument("--geometry", default="vit_b", choices=sorted(GEOMETRIES))
-    ap.add_argument("--option", action="append", default=[],
-                    help="an inductor config to set first, as name=value (a Python literal), e.g. compile_threads=1")
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        help="an inductor config to set first, as name=value (a Python literal), e.g. compile_threads=1",
+    )
     ap.add_argument("--warm", action="store_true", help="compile a trivial function first and time it")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -13,6 +13,7 @@ runs ``benchmark_step.WARM_S`` seconds of steps, as the step benchmark does.
     python benchmarks/profile_step.py --geometry vit_b --dtype fp32 --optims AdamW-dtq8,AdamW-4bit
     python benchmarks/profile_step.py --geometry vit_b --dtype bf16 --optims AdamW-dtq8 --timeline
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import optimizers  # noqa: E402
 from benchmark_step import GEOMETRIES, draw_params, warm_up  # noqa: E402
+
 from torchao_optim.optim import replay  # noqa: E402
 
 
@@ -59,9 +61,12 @@ def profile(name: str, shapes, dtype, steps: int) -> None:
             stop.record()
             stop.synchronize()
             event.append(start.elapsed_time(stop))
-        print(f"{name} step graphs={graphs}: host {1e3 * statistics.median(host):.3f} ms, "
-              f"event {statistics.median(event):.3f} ms ({replay_status(opt) if graphs else 'not replayed'})")
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+        print(
+            f"{name} step graphs={graphs}: host {1e3 * statistics.median(host):.3f} ms, "
+            f"event {statistics.median(event):.3f} ms ({replay_status(opt) if graphs else 'not replayed'})"
+        )
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     n = 10
     with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -69,8 +74,7 @@ def profile(name: str, shapes, dtype, steps: int) -> None:
             opt.step()
         torch.cuda.synchronize()
     kernels = [e for e in prof.key_averages() if e.device_time_total > 0]
-    print(f"{name} kernels per step (graphs on), GPU ms: "
-          f"{sum(e.device_time_total for e in kernels) / n / 1e3:.3f}")
+    print(f"{name} kernels per step (graphs on), GPU ms: {sum(e.device_time_total for e in kernels) / n / 1e3:.3f}")
     for e in sorted(kernels, key=lambda e: -e.device_time_total)[:8]:
         print(f"  {e.key[:60]:60s} {e.count / n:5.1f} per step  {e.device_time_total / n / 1e3:.3f} ms")
 
@@ -81,7 +85,8 @@ def timeline(name: str, shapes, dtype, steps: int = 6) -> None:
     import json
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     opt = optimizers.build(name, draw_params(shapes, dtype, "cuda"))
     warm_up(opt.step)
@@ -108,11 +113,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--geometry", default="vit_b", choices=sorted(GEOMETRIES))
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    ap.add_argument("--optims", default="AdamW-dtq8", help="comma list of optimizers.py names "
-                    "(AdamWCompiled-<format>: the per-parameter compiled path)")
+    ap.add_argument(
+        "--optims",
+        default="AdamW-dtq8",
+        help="comma list of optimizers.py names (AdamWCompiled-<format>: the per-parameter compiled path)",
+    )
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--timeline", action="store_true",
-                    help="print each kernel of six steps queued behind a GPU spin, with its start and duration")
+    ap.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each kernel of six steps queued behind a GPU spin, with its start and duration",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")

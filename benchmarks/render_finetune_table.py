@@ -7,14 +7,16 @@ prints the table, writes it to ``results/finetune.md`` and draws ``results/finet
 max-memory bars; needs matplotlib). ``--md`` and ``--png`` choose other paths, ``--no_png`` skips the
 chart. Several files may be given; their runs form one table, in order.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import math
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 REQUIRED_KEYS = ("optim", "memory_gb", "memory_kind", "train_time_s", "throughput_imgs_s", "val_acc")
 
@@ -23,9 +25,9 @@ class RenderError(Exception):
     """Bad input: reported as one line on stderr, exit code 2."""
 
 
-def load_results(paths: Sequence[str]) -> List[Dict[str, Any]]:
+def load_results(paths: Sequence[str]) -> list[dict[str, Any]]:
     """The runs in ``paths`` (JSON lines, blank lines ignored), in order."""
-    rows: List[Dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
     for path in paths:
         p = Path(path)
         if not p.is_file():
@@ -57,12 +59,12 @@ def format_duration(seconds: float) -> str:
     return f"{hours}h {minutes}m {secs}s"
 
 
-def labels(rows: Sequence[Dict[str, Any]]) -> List[str]:
+def labels(rows: Sequence[dict[str, Any]]) -> list[str]:
     """A name for each run: its run name (the optimizer by default), plus its AMP mode where that tells
     runs apart, plus a counter where nothing does."""
     base = [row.get("run_name") or row["optim"] for row in rows]
     out = [b if base.count(b) == 1 else f"{b} ({row.get('amp', '?')})" for b, row in zip(base, rows)]
-    seen: Dict[str, int] = {}
+    seen: dict[str, int] = {}
     result = []
     for name in out:
         if out.count(name) > 1:
@@ -76,34 +78,51 @@ def _percent(value: Any) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.2f}%"
 
 
-def _memory(row: Dict[str, Any]) -> str:
+def _memory(row: dict[str, Any]) -> str:
     text = f"{row['memory_gb']:.2f}"
     return text + " (peak RSS)" if row["memory_kind"] == "cpu_peak_rss" else text
 
 
-def markdown_table(rows: Sequence[Dict[str, Any]]) -> str:
-    header = ["Optimizer", "Model", "AMP", "Device", "Steps", "Max memory (GB)", "Training time",
-              "Throughput (imgs/s)", "Val accuracy"]
+def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+    header = [
+        "Optimizer",
+        "Model",
+        "AMP",
+        "Device",
+        "Steps",
+        "Max memory (GB)",
+        "Training time",
+        "Throughput (imgs/s)",
+        "Val accuracy",
+    ]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for name, row in zip(labels(rows), rows):
         model = str(row.get("model", "")).split("/")[-1]
         cells = [
-            name, model, str(row.get("amp", "")), str(row.get("device_name") or row.get("device", "")),
-            str(row.get("steps", "")), _memory(row), format_duration(row["train_time_s"]),
-            f"{row['throughput_imgs_s']:.1f}", _percent(row["val_acc"]),
+            name,
+            model,
+            str(row.get("amp", "")),
+            str(row.get("device_name") or row.get("device", "")),
+            str(row.get("steps", "")),
+            _memory(row),
+            format_duration(row["train_time_s"]),
+            f"{row['throughput_imgs_s']:.1f}",
+            _percent(row["val_acc"]),
         ]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     notes = []
     if any(r["memory_kind"] == "cuda_max_allocated" for r in rows):
         notes.append("Max memory on CUDA is `torch.cuda.max_memory_allocated()`.")
     if any(r["memory_kind"] == "cpu_peak_rss" for r in rows):
-        notes.append("\"peak RSS\": a CPU run, whose figure is the whole process's peak resident set size "
-                     "(`resource.getrusage`), not comparable to CUDA's allocated memory.")
+        notes.append(
+            '"peak RSS": a CPU run, whose figure is the whole process\'s peak resident set size '
+            "(`resource.getrusage`), not comparable to CUDA's allocated memory."
+        )
     notes.append("GB = 10^9 bytes; training time excludes evaluation.")
     return "\n".join(lines) + "\n\n" + " ".join(notes) + "\n"
 
 
-def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
+def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
     """Loss curves (left) and max-memory bars annotated with accuracy (right), as a PNG."""
     try:
         import matplotlib
@@ -134,16 +153,27 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
         if row["memory_kind"] == "cpu_peak_rss":
             bar.set_hatch("//")
             bar.set_edgecolor("white")
-        ax_mem.annotate(f" {row['memory_gb']:.2f} GB, acc {_percent(row['val_acc'])}",
-                        (bar.get_width(), bar.get_y() + bar.get_height() / 2), va="center", fontsize=8)
+        ax_mem.annotate(
+            f" {row['memory_gb']:.2f} GB, acc {_percent(row['val_acc'])}",
+            (bar.get_width(), bar.get_y() + bar.get_height() / 2),
+            va="center",
+            fontsize=8,
+        )
     ax_mem.set_yticks(range(len(rows)))
     ax_mem.set_yticklabels(names, fontsize=8)
     ax_mem.invert_yaxis()
     ax_mem.set_xlim(0, max(values) * 1.6 if values and max(values) > 0 else 1)
     kinds = {r["memory_kind"] for r in rows}
-    ax_mem.set_xlabel("GB (" + ", ".join(sorted(
-        {"cuda_max_allocated": "CUDA max allocated", "cpu_peak_rss": "hatched: CPU peak RSS"}.get(k, k)
-        for k in kinds)) + ")")
+    ax_mem.set_xlabel(
+        "GB ("
+        + ", ".join(
+            sorted(
+                {"cuda_max_allocated": "CUDA max allocated", "cpu_peak_rss": "hatched: CPU peak RSS"}.get(k, k)
+                for k in kinds
+            )
+        )
+        + ")"
+    )
     ax_mem.set_title("Max memory")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -151,7 +181,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Render fine-tuning benchmark results as Markdown and PNG.")
     parser.add_argument("results", nargs="+", help="JSON-lines files written by benchmark_adam_8bit.py")
     parser.add_argument("--md", default=None, help="Markdown output; default <first results file>.md")

@@ -10,6 +10,7 @@ Batches are windows of ``seq_len + 1`` bytes: training windows start at offsets 
 ``torch.Generator`` (same seed, same batches, whatever the optimizer), validation windows at a fixed set of
 evenly spaced offsets (the same for every run).
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,6 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -30,7 +30,7 @@ VOCAB_SIZE = 256
 FILE_SEPARATOR = 0
 
 
-def stdlib_source_files(root: Optional[Path] = None) -> List[Path]:
+def stdlib_source_files(root: Path | None = None) -> list[Path]:
     """The standard library's ``*.py`` files, sorted by their path relative to ``root`` (the stdlib)."""
     root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     files = []
@@ -65,13 +65,14 @@ class StdlibCorpus:
             "val_bytes": self.val.numel(),
         }
 
-    def train_batch(self, batch_size: int, seq_len: int,
-                    generator: torch.Generator) -> Tuple[torch.Tensor, torch.Tensor]:
+    def train_batch(
+        self, batch_size: int, seq_len: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-byte targets, both ``(batch_size, seq_len)`` int64, at random offsets."""
         starts = torch.randint(0, self.train.numel() - seq_len - 1, (batch_size,), generator=generator)
         return _windows(self.train, starts, seq_len)
 
-    def val_batches(self, n_batches: int, batch_size: int, seq_len: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    def val_batches(self, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``n_batches`` fixed validation batches: windows evenly spaced over the validation split."""
         n_windows = n_batches * batch_size
         last_start = self.val.numel() - seq_len - 1
@@ -81,13 +82,13 @@ class StdlibCorpus:
         return [_windows(self.val, chunk, seq_len) for chunk in starts.split(batch_size)]
 
 
-def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = starts[:, None] + torch.arange(seq_len + 1)
     chunk = data[idx].long()
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def load_stdlib_corpus(root: Optional[Path] = None, val_every: int = 10) -> StdlibCorpus:
+def load_stdlib_corpus(root: Path | None = None, val_every: int = 10) -> StdlibCorpus:
     """Read the standard library's sources and split them by file, about 1 in ``val_every`` for validation."""
     root = Path(sysconfig.get_paths()["stdlib"] if root is None else root)
     splits = {True: [], False: []}
@@ -96,7 +97,7 @@ def load_stdlib_corpus(root: Optional[Path] = None, val_every: int = 10) -> Stdl
     if not splits[True] or not splits[False]:
         raise RuntimeError(f"found too few *.py files under {root} to build a train/validation split")
 
-    def join(contents: List[bytes]) -> torch.Tensor:
+    def join(contents: list[bytes]) -> torch.Tensor:
         blob = bytes([FILE_SEPARATOR]).join(contents)
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 

@@ -4,6 +4,7 @@ TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS), registers and spills.
     python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --iters 1,4,8 --prefetch 0,1 --warps 2,4
     python benchmarks/tune_fused.py --geometry vit_b --dtype bf16 --iters 8 --prefetch 1 --warps 1 --tail 0,32,64
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,11 +15,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, step_times, warm_up  # noqa: E402
+from optimizers import state_nbytes  # noqa: E402
+
 import torchao_optim  # noqa: E402
 import torchao_optim.kernels.tables as tables  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
-from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, step_times, warm_up  # noqa: E402
-from optimizers import state_nbytes  # noqa: E402
 
 
 def main():
@@ -29,14 +31,23 @@ def main():
     ap.add_argument("--iters", default="1,4,8,16")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--warps", default="2,4")
-    ap.add_argument("--maxnreg", default="auto",
-                    help="register caps to try (auto: optim.fused.REGISTER_CAPS'; 0: none, the compiler's choice)")
-    ap.add_argument("--tail", default=str(fused.TAIL_TILES_PER_SM),
-                    help="tiles per SM at the end of a plan that go one per program (optim.fused.TAIL_TILES_PER_SM)")
+    ap.add_argument(
+        "--maxnreg",
+        default="auto",
+        help="register caps to try (auto: optim.fused.REGISTER_CAPS'; 0: none, the compiler's choice)",
+    )
+    ap.add_argument(
+        "--tail",
+        default=str(fused.TAIL_TILES_PER_SM),
+        help="tiles per SM at the end of a plan that go one per program (optim.fused.TAIL_TILES_PER_SM)",
+    )
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch of the update kernels (optim.fused.PDL)")
-    ap.add_argument("--flat-bits", default=str(tables.FLAT_MAX_BITS),
-                    help="the one-load encoder for codebooks needing at most this many mantissa bits per exponent "
-                         "(kernels.tables.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)")
+    ap.add_argument(
+        "--flat-bits",
+        default=str(tables.FLAT_MAX_BITS),
+        help="the one-load encoder for codebooks needing at most this many mantissa bits per exponent "
+        "(kernels.tables.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -44,11 +55,16 @@ def main():
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
-    configs = [(i, bool(int(f)), w, r, t, d, b)
-               for i in map(int, args.iters.split(",")) for f in args.prefetch.split(",")
-               for w in map(int, args.warps.split(",")) for r in args.maxnreg.split(",")
-               for t in map(int, args.tail.split(",")) for d in map(int, args.pdl.split(","))
-               for b in map(int, args.flat_bits.split(","))]
+    configs = [
+        (i, bool(int(f)), w, r, t, d, b)
+        for i in map(int, args.iters.split(","))
+        for f in args.prefetch.split(",")
+        for w in map(int, args.warps.split(","))
+        for r in args.maxnreg.split(",")
+        for t in map(int, args.tail.split(","))
+        for d in map(int, args.pdl.split(","))
+        for b in map(int, args.flat_bits.split(","))
+    ]
     for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits in configs:
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
@@ -58,16 +74,20 @@ def main():
         if floor is None:  # the format's own bytes moved, over the copy bandwidth
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
-            print("| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs "
-                  "| spills |")
+            print(
+                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs "
+                "| spills |"
+            )
             print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        print(f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
-              f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |")
+        print(
+            f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
+            f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |"
+        )
         del opt
         torch.cuda.empty_cache()
 

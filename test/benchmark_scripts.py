@@ -1,4 +1,5 @@
 """Load a script of benchmarks/ as a module, for the tests of the benchmarks."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,6 +1,7 @@
 """Test-session setup: on a machine without CUDA, Triton kernels run in Triton's interpreter (when Triton is
 installed), so the fused engine is tested on the CPU too. Set before anything imports the kernels. Tests marked
 ``slow`` (wide sweeps) run only with ``--runslow``."""
+
 import os
 import sys
 
@@ -15,8 +16,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--runslow", action="store_true", default=False,
-                     help="also run the tests marked slow: wide sweeps that take many minutes on a CPU")
+    parser.addoption(
+        "--runslow",
+        action="store_true",
+        default=False,
+        help="also run the tests marked slow: wide sweeps that take many minutes on a CPU",
+    )
 
 
 def pytest_configure(config):

@@ -3,6 +3,7 @@
 Each is what a contributor writes: a codebook, a layout, a registration. The fused engine must take them
 with no kernel edit, and give the same codes as their compiled path.
 """
+
 import torch
 
 from torchao_optim.state import CodebookState, StateLayout, register_state_format
@@ -28,8 +29,9 @@ class Cubic8Tensor(CodebookState):
 
     @classmethod
     def layout(cls, *, signed, block_size):
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=_cubic(signed),
-                           never_zero=not signed)
+        return StateLayout(
+            codes="codes", scales="absmax", block_size=block_size, codebook=_cubic(signed), never_zero=not signed
+        )
 
 
 @register_state_format("test_linear4")
@@ -46,8 +48,14 @@ class Linear4Tensor(CodebookState):
     @classmethod
     def layout(cls, *, signed, block_size):
         grid = torch.linspace(-1, 1, 15) if signed else torch.linspace(0, 1, 16)
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size, bits=4,
-                           codebook=tuple(grid.tolist()), never_zero=not signed)
+        return StateLayout(
+            codes="codes",
+            scales="absmax",
+            block_size=block_size,
+            bits=4,
+            codebook=tuple(grid.tolist()),
+            never_zero=not signed,
+        )
 
 
 @register_state_format("test_grid8")

@@ -5,6 +5,7 @@ ones) pass the shared cases in one process, with names up to 32 characters and b
 elements. Registered only there: every registered format also gets generated conformance classes, which would
 add minutes to every other test run.
 """
+
 import torch
 
 from torchao_optim.state import CodebookState, StateLayout, register_state_format
@@ -28,8 +29,14 @@ class PowerGridTensor(CodebookState):
         levels = 2**cls.bits - 1 if signed else 2**cls.bits  # signed: an odd count, so that 0 is a level
         t = torch.linspace(-1.0 if signed else 0.0, 1.0, levels, dtype=torch.float64)
         codebook = tuple(sorted(set((t.sign() * t.abs() ** cls.power).float().tolist())))
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size, bits=cls.bits, codebook=codebook,
-                           never_zero=not signed)
+        return StateLayout(
+            codes="codes",
+            scales="absmax",
+            block_size=block_size,
+            bits=cls.bits,
+            codebook=codebook,
+            never_zero=not signed,
+        )
 
 
 def max_error(layout: StateLayout) -> float:
@@ -52,8 +59,20 @@ FORMATS = {  # name (at most 32 characters): (bits, block size, power)
 for _name, (_bits, _block, _power) in FORMATS.items():
     _title = "".join(part.title() for part in _name.split("_")[1:])
     # at module level under its own name, so that pickle and torch.load find the class
-    _fmt = globals()[f"{_title}Tensor"] = register_state_format(_name)(type(f"{_title}Tensor", (PowerGridTensor,), {
-        "bits": _bits, "power": _power, "default_block_size": _block, "__module__": __name__}))
-    globals()[f"Test{_title}"] = type(f"Test{_title}", (StateFormatTestCase,), {
-        "format_name": _name, "block_size": _block, "__module__": __name__,
-        "max_error": {s: max_error(_fmt.layout(signed=s, block_size=_block)) for s in (True, False)}})
+    _fmt = globals()[f"{_title}Tensor"] = register_state_format(_name)(
+        type(
+            f"{_title}Tensor",
+            (PowerGridTensor,),
+            {"bits": _bits, "power": _power, "default_block_size": _block, "__module__": __name__},
+        )
+    )
+    globals()[f"Test{_title}"] = type(
+        f"Test{_title}",
+        (StateFormatTestCase,),
+        {
+            "format_name": _name,
+            "block_size": _block,
+            "__module__": __name__,
+            "max_error": {s: max_error(_fmt.layout(signed=s, block_size=_block)) for s in (True, False)},
+        },
+    )

@@ -6,6 +6,7 @@ tests share four configurations: fp32 parameters with AdamW's flags and a float 
 (sizes of whole blocks, and sizes with a partial last block) and over fp32 state; and bf16 parameters (one
 test, whole blocks). The kernel-count test, which resets dynamo's caches, runs last.
 """
+
 from __future__ import annotations
 
 import copy
@@ -114,8 +115,11 @@ def assert_within_quant_step(test, a, b, what):
     bound = HALF_GAP[a.signed] * (a.absmax + b.absmax)[block]
     diff = (a.dequantize().reshape(-1) - b.dequantize().reshape(-1)).abs()
     bad = (diff > bound * ROUNDING).nonzero().flatten()
-    test.assertEqual(bad.numel(), 0, f"{what}: {bad.numel()} elements differ by more than one quantization "
-                                     f"step, first {bad[:5].tolist()}")
+    test.assertEqual(
+        bad.numel(),
+        0,
+        f"{what}: {bad.numel()} elements differ by more than one quantization step, first {bad[:5].tolist()}",
+    )
 
 
 def assert_compiled_close(test, compiled, eager, lr, what):
@@ -164,8 +168,12 @@ class TestAPI(expecttest.TestCase):
             self.assertEqual(list(mine)[:6], ["params", "lr", "betas", "eps", "weight_decay", "amsgrad"])
             self.assertEqual(mine["maximize"].kind, inspect.Parameter.KEYWORD_ONLY)
             self.assertEqual(mine["maximize"].default, False)
-            for name, default in (("state_format", "dtq8"), ("block_size", None), ("min_quant_size", 4096),
-                                  ("compile", True)):
+            for name, default in (
+                ("state_format", "dtq8"),
+                ("block_size", None),
+                ("min_quant_size", 4096),
+                ("compile", True),
+            ):
                 self.assertEqual(mine[name].default, default, name)
                 self.assertEqual(mine[name].kind, inspect.Parameter.KEYWORD_ONLY, name)
         self.assertEqual(Adam([torch.nn.Parameter(torch.zeros(2))]).defaults["weight_decay"], 0)
@@ -173,8 +181,10 @@ class TestAPI(expecttest.TestCase):
         # positional use, as with torch.optim
         opt = AdamW([torch.nn.Parameter(torch.zeros(2))], 0.5, (0.8, 0.9), 1e-6, 0.25, True)
         group = opt.param_groups[0]
-        self.assertEqual((group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"]),
-                         (0.5, (0.8, 0.9), 1e-6, 0.25, True))
+        self.assertEqual(
+            (group["lr"], group["betas"], group["eps"], group["weight_decay"], group["amsgrad"]),
+            (0.5, (0.8, 0.9), 1e-6, 0.25, True),
+        )
 
     def test_aliases(self):
         p = [torch.nn.Parameter(torch.zeros(2))]
@@ -305,8 +315,11 @@ class TestState(expecttest.TestCase):
     def test_per_group_state_options(self):
         w1, w2, w3 = (torch.nn.Parameter(torch.randn(64, 128)) for _ in range(3))
         opt = AdamW8bit(
-            [{"params": [w1], "state_format": "none"}, {"params": [w2], "block_size": 64},
-             {"params": [w3], "min_quant_size": 10**6}],
+            [
+                {"params": [w1], "state_format": "none"},
+                {"params": [w2], "block_size": 64},
+                {"params": [w3], "min_quant_size": 10**6},
+            ],
             compile=False,
         )
         for p in (w1, w2, w3):
@@ -469,11 +482,14 @@ class TestNonFiniteGradients(expecttest.TestCase):
                     block = torch.arange(p.numel()) // sa.block_size
                     deq_a, deq_b, deq_0 = (s.dequantize().view(-1) for s in (sa, sb, s0))
                     bound_ab = HALF_GAP[sa.signed] * (sa.absmax + sb.absmax)[block]
-                    self.assertTrue(((deq_a - deq_b).abs()[others] <= bound_ab[others] * ROUNDING).all(),
-                                    f"{what} {key}")
+                    self.assertTrue(
+                        ((deq_a - deq_b).abs()[others] <= bound_ab[others] * ROUNDING).all(), f"{what} {key}"
+                    )
                     bound_0 = HALF_GAP[sa.signed] * sa.absmax[block[idx]]
-                    self.assertTrue(((deq_a[idx] - deq_0[idx]).abs() <= bound_0 * ROUNDING).all(),
-                                    f"{what} {key}: the bad element's state moved")
+                    self.assertTrue(
+                        ((deq_a[idx] - deq_0[idx]).abs() <= bound_0 * ROUNDING).all(),
+                        f"{what} {key}: the bad element's state moved",
+                    )
                 else:
                     flat_a, flat_b = sa.view(-1), sb.view(-1)
                     self.assertTrue(torch.equal(flat_a[idx], s0.view(-1)[idx]), f"{what} {key}")
@@ -630,11 +646,14 @@ class TestLearningRateAndGroups(expecttest.TestCase):
         frozen = torch.nn.Parameter(frozen_init.clone())
 
         def groups(ps):
-            return [{"params": [ps[0]], "lr": 1e-2, "betas": (0.8, 0.99)},
-                    {"params": [ps[1]], "eps": 1e-3, "weight_decay": 0.5}]
+            return [
+                {"params": [ps[0]], "lr": 1e-2, "betas": (0.8, 0.99)},
+                {"params": [ps[1]], "eps": 1e-3, "weight_decay": 0.5},
+            ]
 
-        o = AdamW(groups(ours) + [{"params": [frozen], "lr": 0.0, "state_format": "dtq8"}], lr=3e-2,
-                  state_format="none")
+        o = AdamW(
+            groups(ours) + [{"params": [frozen], "lr": 0.0, "state_format": "dtq8"}], lr=3e-2, state_format="none"
+        )
         r = torch.optim.AdamW(groups(ref), lr=3e-2, foreach=False)
         gen = torch.Generator().manual_seed(0)
 
@@ -704,8 +723,11 @@ class TestMixedPrecision(expecttest.TestCase):
             self.assertLessEqual(max_err, MAX_ERROR_BOUND, what)
             # so, against torch.optim.AdamW directly: bf16 rounding plus the 8-bit error
             moved = (c.detach() - t.float()).abs().max()
-            self.assertLessEqual((a.detach().float() - c.detach()).abs().max().item(),
-                                 (steps * 2.0**-8 * c.detach().abs().max() + MAX_ERROR_BOUND * moved).item(), what)
+            self.assertLessEqual(
+                (a.detach().float() - c.detach()).abs().max().item(),
+                (steps * 2.0**-8 * c.detach().abs().max() + MAX_ERROR_BOUND * moved).item(),
+                what,
+            )
 
     def _mlp(self):
         torch.manual_seed(0)
@@ -894,8 +916,10 @@ class TestLayouts(expecttest.TestCase):
         its block's absmax after that step, and an earlier error only shrinks (by beta), so after the steps the
         error is at most HALF_GAP times the sum of those absmaxes. (Sizes with a short last block and fp32
         state: the graphs the other compiled tests compile.)"""
-        makes = {"transposed": lambda w: w.reshape(130, 7).t(),
-                 "channels_last": lambda w: w.reshape(8, 16, 3, 3).to(memory_format=torch.channels_last)}
+        makes = {
+            "transposed": lambda w: w.reshape(130, 7).t(),
+            "channels_last": lambda w: w.reshape(8, 16, 3, 3).to(memory_format=torch.channels_last),
+        }
         for name, make in makes.items():
             for state_format in ("dtq8", "none"):
                 for fused in (False, None):
@@ -926,8 +950,12 @@ class TestLayouts(expecttest.TestCase):
                         bound = HALF_GAP[q.signed] * absmaxes[key][torch.arange(q.numel()) // q.block_size]
                         diff = (mine - theirs).abs().reshape(-1)
                         bad = (diff > bound * ROUNDING).nonzero().flatten()
-                        self.assertEqual(bad.numel(), 0, f"{what}: {key} is off by more than its quantization "
-                                                         f"error at {bad.numel()} elements, first {bad[:5].tolist()}")
+                        self.assertEqual(
+                            bad.numel(),
+                            0,
+                            f"{what}: {key} is off by more than its quantization "
+                            f"error at {bad.numel()} elements, first {bad[:5].tolist()}",
+                        )
                     if state_format == "none":
                         self.assertLessEqual(rel_err(p, ref), 1e-6, what)
 
@@ -958,10 +986,12 @@ def test_variants_are_the_base_with_a_fixed_state_format_and_its_documented_argu
 
     import torchao_optim
 
-    for variant, base, fmt in [(torchao_optim.Adam8bit, torchao_optim.Adam, "dtq8"),
-                               (torchao_optim.AdamW8bit, torchao_optim.AdamW, "dtq8"),
-                               (torchao_optim.AdamW4bit, torchao_optim.AdamW, "4bit"),
-                               (torchao_optim.AdamWFp8, torchao_optim.AdamW, "fp8")]:
+    for variant, base, fmt in [
+        (torchao_optim.Adam8bit, torchao_optim.Adam, "dtq8"),
+        (torchao_optim.AdamW8bit, torchao_optim.AdamW, "dtq8"),
+        (torchao_optim.AdamW4bit, torchao_optim.AdamW, "4bit"),
+        (torchao_optim.AdamWFp8, torchao_optim.AdamW, "fp8"),
+    ]:
         assert variant.__mro__[1] is base
         base_args = dict(inspect.signature(base).parameters)
         del base_args["state_format"]

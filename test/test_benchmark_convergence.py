@@ -1,12 +1,11 @@
 """The convergence benchmark (benchmarks/benchmark_convergence.py), run for a few steps with a tiny model."""
+
 import json
 import math
 import sys
 
 import pytest
-
 from benchmark_scripts import load_benchmark
-
 
 bench = load_benchmark("benchmark_convergence")
 
@@ -16,9 +15,28 @@ OPTIMS = ["AdamW", "AdamW8bit"]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("convergence")
-    argv = ["--model_size", "tiny", "--steps", "12", "--batch_size", "8", "--seq_len", "64", "--seeds", "0",
-            "--eval_every", "6", "--eval_batches", "2", "--device", "cpu", "--optims", ",".join(OPTIMS),
-            "--out", str(out)]
+    argv = [
+        "--model_size",
+        "tiny",
+        "--steps",
+        "12",
+        "--batch_size",
+        "8",
+        "--seq_len",
+        "64",
+        "--seeds",
+        "0",
+        "--eval_every",
+        "6",
+        "--eval_batches",
+        "2",
+        "--device",
+        "cpu",
+        "--optims",
+        ",".join(OPTIMS),
+        "--out",
+        str(out),
+    ]
     returned = bench.main(argv)
     return out, returned
 

@@ -5,6 +5,7 @@ one-line errors, the learning-rate schedule, the data sets, the training loop on
 the results table. The smoke test at the end fine-tunes a tiny timm ViT on synthetic data with each
 optimizer, and is skipped where timm cannot be imported.
 """
+
 import json
 import re
 import subprocess
@@ -13,12 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import BENCHMARKS, load_benchmark
 from torch import nn
 
 import torchao_optim
-
-from benchmark_scripts import BENCHMARKS, load_benchmark
-
 
 bench = load_benchmark("benchmark_adam_8bit", "_finetune_benchmark_adam_8bit")
 render = load_benchmark("render_finetune_table", "_finetune_render_finetune_table")
@@ -61,8 +60,12 @@ def test_make_optimizer_builds_and_steps(name):
     assert not torch.equal(before, model.weight)
     assert torch.isfinite(model.weight).all()
 
-    expected = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW,
-                "AdamDTQ8bit": torchao_optim.AdamDTQ8bit, "AdamWDTQ8bit": torchao_optim.AdamW8bit}
+    expected = {
+        "Adam": torch.optim.Adam,
+        "AdamW": torch.optim.AdamW,
+        "AdamDTQ8bit": torchao_optim.AdamDTQ8bit,
+        "AdamWDTQ8bit": torchao_optim.AdamW8bit,
+    }
     if name in expected:
         assert type(opt) is expected[name]
     if name.startswith("Adam-") or name.startswith("AdamW-"):
@@ -86,18 +89,21 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch, capsys):
 
 
 # ---- argument checks and their errors -------------------------------------------------------------------
-@pytest.mark.parametrize("argv, message", [
-    (["--optim", "nope"], r"unknown optimizer 'nope' \(choose from: Adam, AdamW, "),
-    (["--optim", "AdamWDTQ8bt"], r"unknown optimizer 'AdamWDTQ8bt'; did you mean 'AdamWDTQ8bit'"),
-    (["--amp", "fp8"], r"argument --amp: invalid choice: 'fp8'"),
-    (["--batch_size", "0"], r"--batch_size: expected a positive integer"),
-    (["--lr", "-1"], r"--lr: expected a non-negative number"),
-    (["--model_kwargs", "[1]"], r"--model_kwargs: expected a JSON object"),
-    (["--model_kwargs", "{oops"], r"--model_kwargs: not valid JSON"),
-    (["--dataset", "synthetic", "--device", "cpu", "--amp", "fp16"], r"--amp fp16 .* needs CUDA"),
-    (["--dataset", "synthetic", "--device", "cpu", "--n_workers", "-1"], r"--n_workers must be >= 0"),
-    (["--dataset", "synthetic", "--device", "nonsense"], r"invalid --device 'nonsense'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optim", "nope"], r"unknown optimizer 'nope' \(choose from: Adam, AdamW, "),
+        (["--optim", "AdamWDTQ8bt"], r"unknown optimizer 'AdamWDTQ8bt'; did you mean 'AdamWDTQ8bit'"),
+        (["--amp", "fp8"], r"argument --amp: invalid choice: 'fp8'"),
+        (["--batch_size", "0"], r"--batch_size: expected a positive integer"),
+        (["--lr", "-1"], r"--lr: expected a non-negative number"),
+        (["--model_kwargs", "[1]"], r"--model_kwargs: expected a JSON object"),
+        (["--model_kwargs", "{oops"], r"--model_kwargs: not valid JSON"),
+        (["--dataset", "synthetic", "--device", "cpu", "--amp", "fp16"], r"--amp fp16 .* needs CUDA"),
+        (["--dataset", "synthetic", "--device", "cpu", "--n_workers", "-1"], r"--n_workers must be >= 0"),
+        (["--dataset", "synthetic", "--device", "nonsense"], r"invalid --device 'nonsense'"),
+    ],
+)
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
     assert bench.main(argv) == 2
     line = _error_line(capsys)
@@ -120,12 +126,15 @@ def test_cuda_unavailable(capsys):
     assert "CUDA is not available" in _error_line(capsys)
 
 
-@pytest.mark.parametrize("package, argv", [
-    ("timm", ["--dataset", "synthetic", "--device", "cpu"]),
-    ("datasets", ["--dataset", "resisc45", "--device", "cpu"]),
-    ("wandb", ["--dataset", "synthetic", "--device", "cpu", "--project", "finetune"]),
-    ("tqdm", ["--dataset", "synthetic", "--device", "cpu"]),
-])
+@pytest.mark.parametrize(
+    "package, argv",
+    [
+        ("timm", ["--dataset", "synthetic", "--device", "cpu"]),
+        ("datasets", ["--dataset", "resisc45", "--device", "cpu"]),
+        ("wandb", ["--dataset", "synthetic", "--device", "cpu", "--project", "finetune"]),
+        ("tqdm", ["--dataset", "synthetic", "--device", "cpu"]),
+    ],
+)
 def test_missing_optional_package(package, argv, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, package, None)
     assert bench.main(argv) == 2
@@ -135,8 +144,7 @@ def test_missing_optional_package(package, argv, monkeypatch, capsys):
 
 def test_package_that_fails_to_import(tmp_path, monkeypatch):
     # timm beside a torchvision built for another torch fails with a RuntimeError, not an ImportError
-    (tmp_path / "broken_vision_pkg.py").write_text(
-        "raise RuntimeError('operator torchvision::nms does not exist')\n")
+    (tmp_path / "broken_vision_pkg.py").write_text("raise RuntimeError('operator torchvision::nms does not exist')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(bench.BenchmarkError) as info:
         bench.require("broken_vision_pkg", "building --model")
@@ -147,8 +155,12 @@ def test_package_that_fails_to_import(tmp_path, monkeypatch):
 
 def test_command_line_error_is_one_line_without_traceback():
     # -W ignore: torch's own import-time warnings (e.g. no numpy installed) are not the script's output
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(BENCHMARKS / "benchmark_adam_8bit.py"), "--optim", "nope"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", str(BENCHMARKS / "benchmark_adam_8bit.py"), "--optim", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
@@ -178,7 +190,7 @@ def test_cosine_lr():
     assert lrs[0] == pytest.approx(base / warmup)
     assert lrs[:warmup] == pytest.approx([base * (s + 1) / warmup for s in range(warmup)])
     assert lrs[warmup] == pytest.approx(base)
-    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    assert all(a >= b for a, b in zip(lrs[warmup:], lrs[warmup + 1 :]))
     assert lrs[(total + warmup) // 2] == pytest.approx(base / 2)
     assert lrs[total] == pytest.approx(0.0, abs=1e-12)
     assert bench.cosine_lr(5, 10, 1.0, 0) == pytest.approx(0.5)  # no warm-up
@@ -297,12 +309,37 @@ def test_resisc45_download_failure_is_a_clear_error(monkeypatch):
 # ---- the training loop, on a small torch model ------------------------------------------------------------
 def test_training_loop_without_timm(tmp_path, capsys):
     results = tmp_path / "results" / "finetune.jsonl"
-    args = bench.get_parser().parse_args([
-        "--dataset", "synthetic", "--device", "cpu", "--optim", "AdamWDTQ8bit", "--no_optim_compile",
-        "--batch_size", "4", "--n_epochs", "3", "--max_steps", "5", "--synthetic_train_size", "12",
-        "--synthetic_val_size", "8", "--n_workers", "0", "--cosine_lr_scheduler", "--lr", "1e-3",
-        "--log_interval", "2", "--profile", "--results", str(results),
-    ])
+    args = bench.get_parser().parse_args(
+        [
+            "--dataset",
+            "synthetic",
+            "--device",
+            "cpu",
+            "--optim",
+            "AdamWDTQ8bit",
+            "--no_optim_compile",
+            "--batch_size",
+            "4",
+            "--n_epochs",
+            "3",
+            "--max_steps",
+            "5",
+            "--synthetic_train_size",
+            "12",
+            "--synthetic_val_size",
+            "8",
+            "--n_workers",
+            "0",
+            "--cosine_lr_scheduler",
+            "--lr",
+            "1e-3",
+            "--log_interval",
+            "2",
+            "--profile",
+            "--results",
+            str(results),
+        ]
+    )
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 45))
     train_set, val_set = bench.build_datasets(args, bench.load_splits(args), 8, (0.5,) * 3, (0.5,) * 3)
@@ -331,19 +368,46 @@ def test_training_loop_without_timm(tmp_path, capsys):
 
 # ---- the results table --------------------------------------------------------------------------------
 REFERENCE = [  # the reference table's figures, as results lines
-    ("Adam", 5.26, 551, 0.9362), ("AdamBnb8bit", 4.78, 550, 0.9306), ("AdamWDTQ8bit", 4.78, 555, 0.9414),
+    ("Adam", 5.26, 551, 0.9362),
+    ("AdamBnb8bit", 4.78, 550, 0.9306),
+    ("AdamWDTQ8bit", 4.78, 555, 0.9414),
 ]
 
 
 def _write_results(path):
-    rows = [dict(optim=o, model="timm/vit_base_patch16_224.augreg_in21k", amp="bf16", device="cuda",
-                 device_name="NVIDIA GeForce RTX 4070 Ti SUPER", steps=2950, memory_gb=m,
-                 memory_kind="cuda_max_allocated", train_time_s=t, throughput_imgs_s=188800 / t, val_acc=a,
-                 loss_curve=[[10 * i, 3.8 / (1 + i)] for i in range(1, 30)])
-            for o, m, t, a in REFERENCE]
-    rows.append(dict(optim="Adam", run_name="Adam on cpu", model="vit_tiny_patch16_224", amp="none",
-                     device="cpu", steps=3, memory_gb=0.61, memory_kind="cpu_peak_rss", train_time_s=1.25,
-                     throughput_imgs_s=9.6, val_acc=0.0, loss_curve=[]))
+    rows = [
+        dict(
+            optim=o,
+            model="timm/vit_base_patch16_224.augreg_in21k",
+            amp="bf16",
+            device="cuda",
+            device_name="NVIDIA GeForce RTX 4070 Ti SUPER",
+            steps=2950,
+            memory_gb=m,
+            memory_kind="cuda_max_allocated",
+            train_time_s=t,
+            throughput_imgs_s=188800 / t,
+            val_acc=a,
+            loss_curve=[[10 * i, 3.8 / (1 + i)] for i in range(1, 30)],
+        )
+        for o, m, t, a in REFERENCE
+    ]
+    rows.append(
+        dict(
+            optim="Adam",
+            run_name="Adam on cpu",
+            model="vit_tiny_patch16_224",
+            amp="none",
+            device="cpu",
+            steps=3,
+            memory_gb=0.61,
+            memory_kind="cpu_peak_rss",
+            train_time_s=1.25,
+            throughput_imgs_s=9.6,
+            val_acc=0.0,
+            loss_curve=[],
+        )
+    )
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     return rows
 
@@ -353,10 +417,14 @@ def test_markdown_table(tmp_path):
     _write_results(path)
     table = render.markdown_table(render.load_results([str(path)]))
     lines = table.splitlines()
-    assert lines[0] == ("| Optimizer | Model | AMP | Device | Steps | Max memory (GB) | Training time | "
-                        "Throughput (imgs/s) | Val accuracy |")
-    assert lines[2] == ("| Adam | vit_base_patch16_224.augreg_in21k | bf16 | NVIDIA GeForce RTX 4070 Ti SUPER | "
-                        "2950 | 5.26 | 9m 11s | 342.6 | 93.62% |")
+    assert lines[0] == (
+        "| Optimizer | Model | AMP | Device | Steps | Max memory (GB) | Training time | "
+        "Throughput (imgs/s) | Val accuracy |"
+    )
+    assert lines[2] == (
+        "| Adam | vit_base_patch16_224.augreg_in21k | bf16 | NVIDIA GeForce RTX 4070 Ti SUPER | "
+        "2950 | 5.26 | 9m 11s | 342.6 | 93.62% |"
+    )
     assert "| AdamBnb8bit |" in lines[3] and "| 9m 10s |" in lines[3] and "93.06%" in lines[3]
     assert "| AdamWDTQ8bit |" in lines[4] and "| 4.78 |" in lines[4] and "94.14%" in lines[4]
     assert lines[5] == "| Adam on cpu | vit_tiny_patch16_224 | none | cpu | 3 | 0.61 (peak RSS) | 1.2s | 9.6 | 0.00% |"
@@ -368,8 +436,13 @@ def test_format_duration_and_labels():
     assert render.format_duration(42.0) == "42.0s"
     assert render.format_duration(3725) == "1h 2m 5s"
     assert bench.format_duration(555) == "9m 15s"
-    rows = [dict(optim="Adam", amp="bf16"), dict(optim="Adam", amp="none"), dict(optim="AdamW", amp="bf16"),
-            dict(optim="AdamW", amp="bf16"), dict(optim="Adam", run_name="mine", amp="bf16")]
+    rows = [
+        dict(optim="Adam", amp="bf16"),
+        dict(optim="Adam", amp="none"),
+        dict(optim="AdamW", amp="bf16"),
+        dict(optim="AdamW", amp="bf16"),
+        dict(optim="Adam", run_name="mine", amp="bf16"),
+    ]
     assert render.labels(rows) == ["Adam (bf16)", "Adam (none)", "AdamW (bf16) #1", "AdamW (bf16) #2", "mine"]
 
 
@@ -393,14 +466,20 @@ def test_render_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, r"results file '.*' does not exist"),
-    ("", r"no results in"),
-    ('{"optim": "Adam"}\nnot json\n', r":1: not a benchmark result \(missing memory_gb"),
-    ("[1, 2]\n", r":1: not a benchmark result"),
-    ('{"optim": "Adam", "memory_gb": 1, "memory_kind": "cpu_peak_rss", "train_time_s": 1, '
-     '"throughput_imgs_s": 1, "val_acc": 0}\n{oops\n', r":2: not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, r"results file '.*' does not exist"),
+        ("", r"no results in"),
+        ('{"optim": "Adam"}\nnot json\n', r":1: not a benchmark result \(missing memory_gb"),
+        ("[1, 2]\n", r":1: not a benchmark result"),
+        (
+            '{"optim": "Adam", "memory_gb": 1, "memory_kind": "cpu_peak_rss", "train_time_s": 1, '
+            '"throughput_imgs_s": 1, "val_acc": 0}\n{oops\n',
+            r":2: not valid JSON",
+        ),
+    ],
+)
 def test_render_bad_input(tmp_path, capsys, content, message):
     path = tmp_path / "finetune.jsonl"
     if content is not None:
@@ -412,26 +491,53 @@ def test_render_bad_input(tmp_path, capsys, content, message):
 
 
 # ---- smoke test: a tiny timm ViT, synthetic data, each optimizer ------------------------------------------
-TINY_VIT = ["--model", "vit_tiny_patch16_224", "--no_pretrained",
-            "--model_kwargs", json.dumps(dict(img_size=32, patch_size=8, depth=1, embed_dim=64, num_heads=2))]
+TINY_VIT = [
+    "--model",
+    "vit_tiny_patch16_224",
+    "--no_pretrained",
+    "--model_kwargs",
+    json.dumps(dict(img_size=32, patch_size=8, depth=1, embed_dim=64, num_heads=2)),
+]
 
 
 def _require_timm():
     try:
         import timm  # noqa: F401
     except Exception as err:  # ImportError, or a torchvision that does not match torch (RuntimeError)
-        pytest.skip(f"the smoke test needs timm, which cannot be imported here ({type(err).__name__}: "
-                    f"{str(err).splitlines()[0] if str(err) else ''})")
+        pytest.skip(
+            f"the smoke test needs timm, which cannot be imported here ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''})"
+        )
 
 
 @pytest.mark.parametrize("optim", _available_optimizers())
 def test_smoke_tiny_vit(optim, tmp_path, capsys):
     _require_timm()
     results = tmp_path / "finetune.jsonl"
-    argv = TINY_VIT + ["--optim", optim, "--no_optim_compile", "--amp", "bf16", "--device", "cpu",
-                       "--dataset", "synthetic", "--synthetic_train_size", "12", "--synthetic_val_size", "8",
-                       "--batch_size", "4", "--max_steps", "3", "--n_workers", "0", "--cosine_lr_scheduler",
-                       "--results", str(results)]
+    argv = TINY_VIT + [
+        "--optim",
+        optim,
+        "--no_optim_compile",
+        "--amp",
+        "bf16",
+        "--device",
+        "cpu",
+        "--dataset",
+        "synthetic",
+        "--synthetic_train_size",
+        "12",
+        "--synthetic_val_size",
+        "8",
+        "--batch_size",
+        "4",
+        "--max_steps",
+        "3",
+        "--n_workers",
+        "0",
+        "--cosine_lr_scheduler",
+        "--results",
+        str(results),
+    ]
     assert bench.main(argv) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "training time:" in out and "val accuracy:" in out and "peak RSS" in out

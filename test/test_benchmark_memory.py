@@ -2,16 +2,28 @@
 the JSON holds what the README's table is made of, and the fitted bytes per layer order the configurations the
 way their byte counts say (torch's fp32 AdamW above its bf16 form and above our 4-bit state). Memory, not time:
 nothing here depends on how fast the machine is."""
+
 import json
 
 import pytest
-
 from benchmark_scripts import load_benchmark
 
-
 bench = load_benchmark("benchmark_memory")
-FAST = ["--device", "cpu", "--geometry", "tiny", "--fit-iters", "1", "--fit-warmup", "0", "--iters", "1",
-        "--warmup", "0", "--no-compile"]
+FAST = [
+    "--device",
+    "cpu",
+    "--geometry",
+    "tiny",
+    "--fit-iters",
+    "1",
+    "--fit-warmup",
+    "0",
+    "--iters",
+    "1",
+    "--warmup",
+    "0",
+    "--no-compile",
+]
 
 
 def test_grads_are_dense_and_full_size():
@@ -61,15 +73,18 @@ def test_fit_search_on_cpu(tmp_path):
     assert 12 < per_param["AdamWTorchFused"] < 24, per_param
     assert per_param["AdamWTorchFused-bf16"] < 0.8 * per_param["AdamWTorchFused"], per_param
     assert per_param["AdamW4bit"] < 0.8 * per_param["AdamWTorchFused"], per_param
-    state = {n: rows[n]["search"]["runs"][-1]["state_bytes"] / rows[n]["search"]["runs"][-1]["n_params"]
-             for n in per_param}
+    state = {
+        n: rows[n]["search"]["runs"][-1]["state_bytes"] / rows[n]["search"]["runs"][-1]["n_params"] for n in per_param
+    }
     assert state["AdamWTorchFused"] == pytest.approx(8, rel=0.01) and state["AdamW4bit"] < 1.5, state
 
 
 def test_confirm_stays_under_the_limit(tmp_path):
     limit_gb = 0.04
-    bench.main(FAST + ["--configs", "AdamWTorchFused", "--fit-layers", "1,3", "--device-gb", str(limit_gb),
-                       "--out", str(tmp_path)])
+    bench.main(
+        FAST
+        + ["--configs", "AdamWTorchFused", "--fit-layers", "1,3", "--device-gb", str(limit_gb), "--out", str(tmp_path)]
+    )
     data = json.loads((tmp_path / "memory_tiny_cpu.json").read_text())
     search = data["results"][0]["search"]
     largest = search["largest"]
@@ -81,8 +96,9 @@ def test_confirm_stays_under_the_limit(tmp_path):
 def test_isolated_configs_give_the_same_rows(tmp_path):
     """``--isolate`` (the default on CUDA) measures each config in a process of its own and collects its row."""
     configs = "AdamWTorchFused,AdamWTorchFused-bf16"
-    bench.main(FAST + ["--configs", configs, "--fit-layers", "1,5", "--no-confirm", "--isolate",
-                       "--out", str(tmp_path)])
+    bench.main(
+        FAST + ["--configs", configs, "--fit-layers", "1,5", "--no-confirm", "--isolate", "--out", str(tmp_path)]
+    )
     rows = {r["name"]: r for r in json.loads((tmp_path / "memory_tiny_cpu.json").read_text())["results"]}
     assert list(rows) == configs.split(",")
     assert all(r["status"] == "ok" for r in rows.values())

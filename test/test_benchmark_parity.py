@@ -1,9 +1,8 @@
 """The accuracy parity case (benchmarks/benchmark_parity.py): our 4-bit and FP8 formats must drift less from
 fp32 AdamW than torchao 0.18's formats of the same size did on the same case (its errors are the bars)."""
+
 import pytest
-
 from benchmark_scripts import load_benchmark
-
 
 bench = load_benchmark("benchmark_parity")
 

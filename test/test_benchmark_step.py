@@ -1,12 +1,12 @@
 """benchmarks/benchmark_step.py: what its columns mean (the step a training loop sustains, the device's and the
 host's times, the step from an idle GPU), on the CPU, and on a GPU where there is one."""
+
 import json
 import os
 import time
 
 import pytest
 import torch
-
 from benchmark_scripts import load_benchmark
 
 _environ = dict(os.environ)
@@ -41,8 +41,22 @@ def test_device_time_leaves_out_the_host_time_before_the_launch():
 
 
 def test_the_step_table_on_the_cpu(tmp_path):
-    rows = bench.main(["--device", "cpu", "--optims", "AdamWTorchFused,AdamW-dtq8", "--steps", "2", "--warmup",
-                       "1", "--dtypes", "fp32", "--out", str(tmp_path)])
+    rows = bench.main(
+        [
+            "--device",
+            "cpu",
+            "--optims",
+            "AdamWTorchFused,AdamW-dtq8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--dtypes",
+            "fp32",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [r["name"] for r in rows] == ["AdamWTorchFused", "AdamW-dtq8"]
     for r in rows:
         assert r["step_ms"] == max(r["device_ms"], r["host_ms"]) > 0

@@ -2,6 +2,7 @@
 drift as the fp32 update says (within 10% of the ideal), the same bits on the fused and the compiled path,
 reproducible, exact on resume, and no effect on other dtypes. The fused path runs in Triton's interpreter on
 a CPU (conftest.py)."""
+
 import io
 
 import pytest
@@ -19,14 +20,18 @@ CASES = {
     "Lion8bit": (Lion8bit, dict()),
 }
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-FUSED = pytest.mark.skipif(not fused_available("cpu") and not torch.cuda.is_available(),
-                           reason="the fused executor needs Triton (its interpreter on a CPU)")
+FUSED = pytest.mark.skipif(
+    not fused_available("cpu") and not torch.cuda.is_available(),
+    reason="the fused executor needs Triton (its interpreter on a CPU)",
+)
 
 
 def _params(dtype=torch.bfloat16, device=DEVICE):
     # a quantized matrix (8192 elements; min_quant_size 4096) and a vector in plain state (4000 elements)
-    return [torch.nn.Parameter(torch.ones(64, 128, dtype=dtype, device=device)),
-            torch.nn.Parameter(torch.full((4000,), -2.0, dtype=dtype, device=device))]
+    return [
+        torch.nn.Parameter(torch.ones(64, 128, dtype=dtype, device=device)),
+        torch.nn.Parameter(torch.full((4000,), -2.0, dtype=dtype, device=device)),
+    ]
 
 
 def _train(name, params, steps, fused=False, sr=True, opt=None, state=None):

@@ -4,6 +4,7 @@ models) or from the cache on disk to the next process (a rank-1 state's row coun
 tensor only, which the cache's guards never see: a graph specialized on it failed with
 ``expected size 768==1152`` in the next training run).
 """
+
 import json
 import os
 import subprocess
@@ -25,8 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_cache_key_names_shape_and_layout():
     a = DTQ8bitTensor.zeros((64,), signed=True)
     keys = {a._stable_hash_for_caching()}
-    for other in (DTQ8bitTensor.zeros((16384,), signed=True), DTQ8bitTensor.zeros((64,), signed=False),
-                  DTQ8bitTensor.zeros((2, 32), signed=True), DTQ8bitTensor.zeros((64,), signed=True, block_size=64)):
+    for other in (
+        DTQ8bitTensor.zeros((16384,), signed=True),
+        DTQ8bitTensor.zeros((64,), signed=False),
+        DTQ8bitTensor.zeros((2, 32), signed=True),
+        DTQ8bitTensor.zeros((64,), signed=True, block_size=64),
+    ):
         keys.add(other._stable_hash_for_caching())
     assert len(keys) == 5
     assert DTQ8bitTensor.zeros((64,), signed=True)._stable_hash_for_caching() in keys  # data never enters
@@ -44,8 +49,10 @@ def test_stock_step_compiled_for_two_shapes_with_the_fx_graph_cache():
         for n in (64, 16384, 64):
             torch._dynamo.reset()  # a new process would start here: only the FX graph cache remembers
             g = torch.randn(n)
-            states = [DTQ8bitTensor.from_float(torch.randn(n) * 0.1, signed=True),
-                      DTQ8bitTensor.from_float(torch.rand(n) * 0.1, signed=False)]
+            states = [
+                DTQ8bitTensor.from_float(torch.randn(n) * 0.1, signed=True),
+                DTQ8bitTensor.from_float(torch.rand(n) * 0.1, signed=False),
+            ]
             eager_states = [s.clone() for s in states]
             p, p_eager = torch.randn(n), None
             p_eager = p.clone()
@@ -81,8 +88,9 @@ def step_compiled_and_eager(fmt, block_size, shapes, steps=2):
         warnings.simplefilter("error", RuntimeWarning)  # a compile that fell back to eager mode compares nothing
         for compile in (True, False):
             params = [torch.nn.Parameter(t.clone()) for t in init]
-            opt = torchao_optim.AdamW(params, lr=LR, state_format=fmt, block_size=block_size, min_quant_size=0,
-                                      fused=False, compile=compile)
+            opt = torchao_optim.AdamW(
+                params, lr=LR, state_format=fmt, block_size=block_size, min_quant_size=0, fused=False, compile=compile
+            )
             for step_grads in grads:
                 for p, g in zip(params, step_grads):
                     p.grad = g.clone()
@@ -107,13 +115,22 @@ def run_in_processes(cache_dir, processes, timeout=900):
     """Each entry of ``processes`` is a list of ``(format, block_size, shapes)`` configurations, run one after
     another in a new Python process with ``cache_dir`` as inductor's cache: the processes share the compile
     caches only through the disk, as separate training runs do. Returns every problem any of them found."""
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_FX_GRAPH_CACHE="1",
-               TORCHINDUCTOR_AUTOGRAD_CACHE="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        TORCHINDUCTOR_CACHE_DIR=str(cache_dir),
+        TORCHINDUCTOR_FX_GRAPH_CACHE="1",
+        TORCHINDUCTOR_AUTOGRAD_CACHE="1",
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "test"), os.environ.get("PYTHONPATH", "")]),
+    )
     problems = []
     for configs in processes:
-        proc = subprocess.run([sys.executable, "-W", "ignore", __file__, json.dumps(configs)], env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-W", "ignore", __file__, json.dumps(configs)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             problems.append(f"process for {configs} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
         else:
@@ -125,10 +142,13 @@ def test_compiled_steps_from_a_shared_cache_match_eager(tmp_path):
     """A 4bit_rank1 graph compiled where the row count equals the block count (in a process that compiled a
     vector's graph first, so the recompile gave the two sizes their own symbols), then other matrices of the same
     size in the next process: each must get a graph of its own shape, not that one from the cache."""
-    problems = run_in_processes(tmp_path, [
-        [["4bit_rank1", None, [[512]]], ["4bit_rank1", None, [[1152, 128]]]],
-        [["4bit_rank1", None, [[256, 576], [576, 256], [128, 1152]]]],
-    ])
+    problems = run_in_processes(
+        tmp_path,
+        [
+            [["4bit_rank1", None, [[512]]], ["4bit_rank1", None, [[1152, 128]]]],
+            [["4bit_rank1", None, [[256, 576], [576, 256], [128, 1152]]]],
+        ],
+    )
     assert not problems, "\n".join(problems)
 
 
@@ -158,8 +178,10 @@ def main(configs):
         try:
             problems += step_compiled_and_eager(fmt, block_size, [tuple(s) for s in shapes])
         except Exception as err:  # noqa: BLE001  (reported with its configuration; the others still run)
-            problems.append(f"{fmt} block_size={block_size} shapes {shapes}: {type(err).__name__}: "
-                            f"{str(err).splitlines()[0] if str(err) else ''}")
+            problems.append(
+                f"{fmt} block_size={block_size} shapes {shapes}: {type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}"
+            )
     print(json.dumps(problems))
 
 

@@ -1,10 +1,12 @@
 """The one encoding rule, four encoders: the O(1) encoder (eager and compiled), the kernels' Triton encoder,
-the fused CPU step's C encoder (both its paths) and the binary-search reference agree bit for bit on a sweep of over 10^7 values that includes every
+the fused CPU step's C encoder (both its paths) and the binary-search reference agree bit for bit on a sweep of over
+10^7 values that includes every
 decision boundary, the floats either side of each, zeros, the smallest normals and subnormals."""
+
+import made_up_formats
 import pytest
 import torch
 
-import made_up_formats
 from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.quant import create_dynamic_map, decision_boundaries, quantize_nearest, quantize_nearest_search
@@ -37,8 +39,13 @@ def sweep(codebook, never_zero, n_random, seed=0):
     log-uniform over [1e-40, 1] of both signs (so subnormals too)."""
     bounds = decision_boundaries(codebook, never_zero)
     up, down = torch.tensor(2.0), torch.tensor(-2.0)
-    near = [bounds, bounds.nextafter(up), bounds.nextafter(down), bounds.nextafter(up).nextafter(up),
-            bounds.nextafter(down).nextafter(down)]
+    near = [
+        bounds,
+        bounds.nextafter(up),
+        bounds.nextafter(down),
+        bounds.nextafter(up).nextafter(up),
+        bounds.nextafter(down).nextafter(down),
+    ]
     near += [-x for x in near]
     tiny = torch.finfo(torch.float32).tiny
     special = torch.tensor([0.0, -0.0, 1.0, -1.0, tiny, -tiny, tiny / 2, -tiny / 2, 1e-45, -1e-45, 1e-40, 0.5])
@@ -70,10 +77,12 @@ def test_compiled_encoder_equals_search(case):
     assert torch.equal(f(y), ref), name
 
 
-@pytest.mark.skipif(not fused_available("cuda") and not fused_available("cpu"),
-                    reason="needs Triton (a GPU, or its interpreter)")
-@pytest.mark.parametrize("flat_max_bits, grid", [(0, False), (12, False), (None, True)],
-                         ids=["two-loads", "one-load", "planned"])
+@pytest.mark.skipif(
+    not fused_available("cuda") and not fused_available("cpu"), reason="needs Triton (a GPU, or its interpreter)"
+)
+@pytest.mark.parametrize(
+    "flat_max_bits, grid", [(0, False), (12, False), (None, True)], ids=["two-loads", "one-load", "planned"]
+)
 def test_kernel_encoder_equals_search(case, flat_max_bits, grid):
     """Also for negative inputs to a codebook without negative values, which the kernels' encoder reads with
     its key's sign part left out. Every form of the encoder: two loads, one (``codec.flat_keyed``, which the
@@ -112,8 +121,13 @@ def test_one_load_tables_of_the_built_in_codebooks():
     from torchao_optim.kernels.tables import FLAT_MAX_BITS
     from torchao_optim.quant.codec import flat_keyed
 
-    for name, most in [("4bit signed", 3), ("4bit unsigned", 3), ("4-bit dynamic map", 3), ("dtq8 signed", 7),
-                       ("dtq8 unsigned", 7)]:
+    for name, most in [
+        ("4bit signed", 3),
+        ("4bit unsigned", 3),
+        ("4-bit dynamic map", 3),
+        ("dtq8 signed", 7),
+        ("dtq8 unsigned", 7),
+    ]:
         table, shift = flat_keyed(*CODEBOOKS[name], max_bits=FLAT_MAX_BITS)
         assert 23 - shift <= most and table.numel() == 512 << (23 - shift), name
     assert flat_keyed(*CODEBOOKS["dtq8 unsigned"], max_bits=6) is None

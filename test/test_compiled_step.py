@@ -5,6 +5,7 @@ The step is traced as one ``torchao_optim::step_`` operator per parameter group:
 optimizer stepped eagerly, on every executor (the fused CPU step and the per-parameter compiled path here; the
 fused CUDA kernels, also under CUDA-graph capture with ``mode="reduce-overhead"``, where a GPU is).
 """
+
 import warnings
 
 import pytest
@@ -137,14 +138,16 @@ def test_traced_step_is_one_operator_call_per_group():
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     m = model("cpu")
-    opt = torchao_optim.AdamW8bit([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 1e-4}],
-                                  min_quant_size=1024)
+    opt = torchao_optim.AdamW8bit(
+        [{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": 1e-4}], min_quant_size=1024
+    )
     backward(m, torch.randn(16, 64))
     backend = EagerAndRecordGraphs()
     torch.compile(fresh_function(lambda: opt.step()), backend=backend, fullgraph=True)()
     (graph,) = backend.graphs
-    calls = [n.target for n in graph.graph.nodes
-             if n.op == "call_function" and n.target is not torch._C._set_grad_enabled]  # no_grad's enter and exit
+    calls = [
+        n.target for n in graph.graph.nodes if n.op == "call_function" and n.target is not torch._C._set_grad_enabled
+    ]  # no_grad's enter and exit
     assert calls == [torch.ops.torchao_optim.step_] * 2, calls
 
 

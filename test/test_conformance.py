@@ -1,6 +1,7 @@
 """Every registered state format (and plain fp32 state, "none") on every executor passes the optimizer
 conformance case: one generated test class per (format, executor), nothing listed by hand. Fused classes skip
 where the fused executor cannot run; without CUDA it runs in Triton's interpreter (conftest.py)."""
+
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
 
 from torchao_optim import get_state_format, list_state_formats
@@ -16,8 +17,13 @@ from torchao_optim.testing.optimizer_case import EXECUTORS, compiled_or_eager
 # (these gradients' magnitudes vary by e^4 within a block, which rank-1 scales follow better). Bounds at 2-2.2x.
 # test_grid8: mean 0.115, max 0.70 (its exp_avg_sq grid, (i + 1) / 256, rounds small values up to 1/256 of the
 # block's absmax, as test_linear4's). Bounds at 2.1-2.2x.
-PARITY_TOLERANCE = {"test_cubic8": (0.03, 0.8), "test_linear4": (0.6, 1.6), "test_grid8": (0.25, 1.5),
-                    "4bit": (0.5, 1.6), "4bit_rank1": (0.3, 1.5)}
+PARITY_TOLERANCE = {
+    "test_cubic8": (0.03, 0.8),
+    "test_linear4": (0.6, 1.6),
+    "test_grid8": (0.25, 1.5),
+    "4bit": (0.5, 1.6),
+    "4bit_rank1": (0.3, 1.5),
+}
 
 
 def _fusable(fmt: str) -> bool:

@@ -8,6 +8,7 @@ ulp, on one element in a few thousand; for bf16 and fp16 parameters such an ulp 
 ulp of the parameter's dtype on a few elements). Then what a user of the CPU relies on: it is the path taken by default,
 threads change nothing, and a machine without a C compiler still trains, on the compiled path, with a warning.
 """
+
 import warnings
 
 import made_up_formats  # noqa: F401  (the test-only formats: codebooks written after the kernel)
@@ -18,8 +19,9 @@ from torchao_optim import Adam, AdamW, Lion8bit, SGD8bit, list_state_formats
 from torchao_optim.kernels import cpu
 from torchao_optim.state import QuantizedState, get_state_format
 
-pytestmark = pytest.mark.skipif(not cpu.cpu_kernels_available(),
-                                reason="the fused CPU step could not be built (no C compiler)")
+pytestmark = pytest.mark.skipif(
+    not cpu.cpu_kernels_available(), reason="the fused CPU step could not be built (no C compiler)"
+)
 
 # a 2-D tensor with a partial last block, an odd size (4-bit: a lone last nibble), whole blocks, and one below
 # min_quant_size (fp32 state)
@@ -51,7 +53,7 @@ def _train(params_a, params_b, opt_a, opt_b, steps=STEPS, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         for a, b in zip(params_a, params_b):
-            g = (torch.randn(a.shape, generator=gen) * 10 ** torch.empty(a.shape).uniform_(-4, 0, generator=gen))
+            g = torch.randn(a.shape, generator=gen) * 10 ** torch.empty(a.shape).uniform_(-4, 0, generator=gen)
             if step == 2:  # non-finite gradient elements are skipped alike
                 g.view(-1)[3], g.view(-1)[7], g.view(-1)[-1] = float("nan"), float("inf"), -float("inf")
             a.grad, b.grad = g.to(dtype), g.to(dtype)
@@ -101,18 +103,23 @@ def test_adamw_equals_compiled_path(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", ["dtq8", "4bit"])
 def test_adam_l2_maximize_equals_compiled_path(fmt):
-    a, b, oa, ob = _pair(Adam, torch.float32, lr=1e-2, weight_decay=0.1, maximize=True, state_format=fmt,
-                         min_quant_size=256)
+    a, b, oa, ob = _pair(
+        Adam, torch.float32, lr=1e-2, weight_decay=0.1, maximize=True, state_format=fmt, min_quant_size=256
+    )
     _train(a, b, oa, ob)
     _assert_same_step(oa, ob, a, b)
 
 
 @pytest.mark.parametrize("fmt", ["dtq8", "fp8", "none"])
-@pytest.mark.parametrize("make", [
-    lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
-    lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, nesterov=True, maximize=True, **kw),
-    lambda ps, **kw: Lion8bit(ps, lr=1e-3, weight_decay=0.1, **kw),
-], ids=["sgd", "sgd-nesterov-maximize", "lion"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
+        lambda ps, **kw: SGD8bit(ps, lr=1e-2, momentum=0.9, nesterov=True, maximize=True, **kw),
+        lambda ps, **kw: Lion8bit(ps, lr=1e-3, weight_decay=0.1, **kw),
+    ],
+    ids=["sgd", "sgd-nesterov-maximize", "lion"],
+)
 def test_one_state_rules_equal_compiled_path(fmt, make):
     a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
     _train(a, b, oa, ob)
@@ -149,8 +156,9 @@ def test_threads_change_nothing():
             for _ in range(2):
                 p.grad = torch.randn(p.shape, generator=gen)
                 opt.step()
-            results.append((p.detach().clone(), opt.state[p]["exp_avg"].codes.clone(),
-                            opt.state[p]["exp_avg_sq"].absmax.clone()))
+            results.append(
+                (p.detach().clone(), opt.state[p]["exp_avg"].codes.clone(), opt.state[p]["exp_avg_sq"].absmax.clone())
+            )
     finally:
         torch.set_num_threads(before)
     for x, y in zip(*results):
@@ -219,14 +227,20 @@ def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
             assert cpu.cpu_kernels_available()
             gen = torch.Generator().manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in ((3 * 4096 + 17,), (1001,))]
-            opt = AdamW([{"params": params[:1]}, {"params": params[1:], "state_format": "4bit"}], lr=1e-2,
-                        min_quant_size=256)
+            opt = AdamW(
+                [{"params": params[:1]}, {"params": params[1:], "state_format": "4bit"}], lr=1e-2, min_quant_size=256
+            )
             for _ in range(3):
                 for p in params:
                     p.grad = torch.randn(p.shape, generator=gen)
                 opt.step()
-            results.append([t.clone() for p in params for t in
-                            (p.detach(), opt.state[p]["exp_avg"].codes, opt.state[p]["exp_avg_sq"].absmax)])
+            results.append(
+                [
+                    t.clone()
+                    for p in params
+                    for t in (p.detach(), opt.state[p]["exp_avg"].codes, opt.state[p]["exp_avg_sq"].absmax)
+                ]
+            )
     finally:
         cpu.cpu_kernels.cache_clear()
     for x, y in zip(*results):

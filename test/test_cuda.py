@@ -1,4 +1,5 @@
 """CUDA behaviour: the fused multi-tensor step against the per-parameter compiled path. Skipped without CUDA."""
+
 import io
 
 import pytest
@@ -47,7 +48,7 @@ def test_fused_matches_compiled_path(dtype):
     run(a, opt_a, steps)
     run(b, opt_b, steps)
     for pa, pb in zip(a, b):
-        tol = lr if dtype == torch.float32 else lr + 2 ** -7 * pb.abs().max().item()  # + one bf16 ulp
+        tol = lr if dtype == torch.float32 else lr + 2**-7 * pb.abs().max().item()  # + one bf16 ulp
         assert (pa.float() - pb.float()).abs().max().item() <= tol
         sa, sb = opt_a.state[pa], opt_b.state[pb]
         assert sa["step"].item() == sb["step"].item() == steps

@@ -21,6 +21,7 @@ Every optimizer here runs eagerly (``compile=False``): the distributed code is t
 runs the update (the update sees local tensors only), and compiling in every rank would take minutes
 on a CPU; the fused executor is checked on shards in Triton's interpreter, on a smaller model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,7 +40,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchao_optim import (
-    AdamW, AdamW8bit, DTQ8bitTensor, Lion8bit, QuantizedState, SGD8bit, dequantize_state_dict, get_state_format,
+    AdamW,
+    AdamW8bit,
+    DTQ8bitTensor,
+    Lion8bit,
+    QuantizedState,
+    SGD8bit,
+    dequantize_state_dict,
+    get_state_format,
     step_in_backward,
 )
 from torchao_optim.optim.fused import fused_available
@@ -69,8 +77,10 @@ def grads(model, step):
     """name -> the global gradient at ``step``: magnitudes spread over e^4 within each block, so that blockwise
     quantization matters."""
     gen = torch.Generator().manual_seed(100 + step)
-    return {name: torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)
-            for name, p in model.named_parameters()}
+    return {
+        name: torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)
+        for name, p in model.named_parameters()
+    }
 
 
 def batch(step):
@@ -79,8 +89,7 @@ def batch(step):
 
 
 def optimizer(model, fused=False, cls=AdamW8bit, **kw):
-    return cls(model.parameters(), lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused,
-               **kw)
+    return cls(model.parameters(), lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
 
 
 def reference_optimizer(model, fused=False, cls=AdamW8bit, **kw):
@@ -95,8 +104,15 @@ def reference_optimizer(model, fused=False, cls=AdamW8bit, **kw):
             plain.append(p)
         else:
             groups.append({"params": [p], "block_size": block_size})
-    return cls(groups + [{"params": plain, "state_format": "none"}], lr=LR, weight_decay=WD,
-               min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
+    return cls(
+        groups + [{"params": plain, "state_format": "none"}],
+        lr=LR,
+        weight_decay=WD,
+        min_quant_size=MIN_QUANT,
+        compile=False,
+        fused=fused,
+        **kw,
+    )
 
 
 def set_grads(model, step):
@@ -109,8 +125,7 @@ def set_grads(model, step):
             # rows taken by hand: no communication (the fake process group has none), and nothing cached per
             # mesh (meshes of simulated ranks compare equal)
             rows = rows_of(dist.get_rank(p.device_mesh.get_group()), p.device_mesh.size(), len(g))
-            g = DTensor.from_local(g[rows].contiguous(), p.device_mesh, p.placements, shape=p.shape,
-                                   stride=p.stride())
+            g = DTensor.from_local(g[rows].contiguous(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
         p.grad = g
 
 
@@ -180,8 +195,13 @@ def _free_port() -> int:
 
 
 def _entry(rank, world, port, job, out):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=TIMEOUT),
+    )
     try:
         result = job(out)
         if rank == 0:
@@ -198,8 +218,9 @@ def spawn(job, world, out):
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
         multiprocessing.set_forkserver_preload([__name__])
-    ctx = mp.start_processes(_entry, args=(world, _free_port(), job, out), nprocs=world, join=False,
-                             start_method=method)
+    ctx = mp.start_processes(
+        _entry, args=(world, _free_port(), job, out), nprocs=world, join=False, start_method=method
+    )
     deadline = time.monotonic() + TIMEOUT
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
@@ -291,9 +312,13 @@ def assertShardOf(test, ours, ref, rows, what):
         first, last = rows.start * row, rows.stop * row
         test.assertEqual((first % bs, last % bs), (0, 0), f"{what}: rows are not whole blocks")
         per_byte = 8 // ref.fast_path_layout().bits  # 4-bit codes: two per byte
-        ref = type(ref)((rows.stop - rows.start,) + tuple(ref.shape[1:]), ref.dtype,
-                        codes=ref.codes[first // per_byte:last // per_byte], absmax=ref.absmax[first // bs:last // bs],
-                        **ref.attrs())
+        ref = type(ref)(
+            (rows.stop - rows.start,) + tuple(ref.shape[1:]),
+            ref.dtype,
+            codes=ref.codes[first // per_byte : last // per_byte],
+            absmax=ref.absmax[first // bs : last // bs],
+            **ref.attrs(),
+        )
         assert_same_tensor(test, ours, ref, what)
     else:
         assert_same_tensor(test, ours, ref.detach()[rows], what)
@@ -326,8 +351,7 @@ class TestShardedStep(expecttest.TestCase):
                     for key in sorted(set(opt.state[p]) - {"step"}):
                         state = opt.state[p][key]
                         self.assertEqual((state.shape, state.placements), (p.shape, p.placements))
-                        assertShardOf(self, state.to_local(), ref_state[name][key], rows,
-                                      f"rank {rank} {name} {key}")
+                        assertShardOf(self, state.to_local(), ref_state[name][key], rows, f"rank {rank} {name} {key}")
                     if fused:
                         plans = opt._plans[id(opt.param_groups[0])]
                         self.assertEqual(plans["rest"], [], "parameters left to the compiled path")
@@ -337,9 +361,12 @@ class TestShardedStep(expecttest.TestCase):
 
     def test_other_formats_and_optimizers(self):
         # the op table and the block rule serve every row-shardable format and every optimizer of ours
-        for opt_kw in (dict(cls=AdamW, state_format="4bit"), dict(cls=AdamW, state_format="fp8"),
-                       dict(cls=SGD8bit, momentum=0.9),
-                       dict(cls=Lion8bit)):
+        for opt_kw in (
+            dict(cls=AdamW, state_format="4bit"),
+            dict(cls=AdamW, state_format="fp8"),
+            dict(cls=SGD8bit, momentum=0.9),
+            dict(cls=Lion8bit),
+        ):
             with self.subTest(**{k: getattr(v, "__name__", v) for k, v in opt_kw.items()}):
                 self.check_ranks(2, Net, steps=3, opt_kw=opt_kw)
 
@@ -385,8 +412,9 @@ class TestShardedStep(expecttest.TestCase):
                         assert_same_tensor(self, local, expected, what)
                 plain = dequantize_state_dict(ours_opt.state_dict())["state"][0]["exp_avg"]  # fc1.weight
                 self.assertEqual((type(plain.to_local()), plain.placements), (torch.Tensor, ours.fc1.weight.placements))
-                self.assertTrue(torch.equal(plain.to_local(), ours_opt.state[ours.fc1.weight]["exp_avg"].to_local()
-                                            .dequantize()))
+                self.assertTrue(
+                    torch.equal(plain.to_local(), ours_opt.state[ours.fc1.weight]["exp_avg"].to_local().dequantize())
+                )
 
     @unittest.skipUnless(fused_available("cpu"), "the fused executor needs Triton (its interpreter on the CPU)")
     def test_fused_executor_on_shards(self):

@@ -18,9 +18,16 @@ def reference_map(signed, max_exponent_bits, total_bits):
     return torch.tensor(sorted(values), dtype=torch.float64)
 
 
-@pytest.mark.parametrize("signed,max_exponent_bits,total_bits", [
-    (True, 7, 8), (False, 7, 8), (True, 7, 4), (True, 3, 4), (False, 3, 4),
-])
+@pytest.mark.parametrize(
+    "signed,max_exponent_bits,total_bits",
+    [
+        (True, 7, 8),
+        (False, 7, 8),
+        (True, 7, 4),
+        (True, 3, 4),
+        (False, 3, 4),
+    ],
+)
 def test_matches_definition(signed, max_exponent_bits, total_bits):
     got = create_dynamic_map(signed, max_exponent_bits, total_bits)
     ref = reference_map(signed, max_exponent_bits, total_bits)

@@ -17,7 +17,8 @@ class TestFourBit(StateFormatTestCase):
     def test_repr_is_metadata_only(self):
         self.assertExpectedInline(
             repr(FourBitTensor.zeros((4, 1024), signed=True)),
-            """FourBitTensor(shape=(4, 1024), dtype=torch.float32, device=cpu, signed=True, block_size=128)""")
+            """FourBitTensor(shape=(4, 1024), dtype=torch.float32, device=cpu, signed=True, block_size=128)""",
+        )
 
     def test_fields(self):
         x = torch.randn(3, 1001)
@@ -37,8 +38,9 @@ class TestFourBit(StateFormatTestCase):
         # the zero-point problem: a tiny v beside a large one is stored as absmax / 16, never 0
         v = torch.full((128,), 1e-12)
         v[0] = 1.0
-        self.assertTrue(torch.equal(FourBitTensor.from_float(v, signed=False).dequantize()[1:],
-                                    torch.full((127,), 1 / 16)))
+        self.assertTrue(
+            torch.equal(FourBitTensor.from_float(v, signed=False).dequantize()[1:], torch.full((127,), 1 / 16))
+        )
         self.assertEqual(linear_map_without_zero(4)[0], 1 / 16)
         self.assertTrue(torch.equal(FourBitTensor.zeros((300,), signed=False).dequantize(), torch.zeros(300)))
 
@@ -68,8 +70,10 @@ class TestFourBitRank1(StateFormatTestCase):
         ratio = err / (scale * (1 + 1e-5) + 1e-30)
         if (err <= self.max_error[signed] * scale * (1 + 1e-5) + 1e-30).all():
             return []
-        return [f"signed={signed}, shape {tuple(x.shape)}: round-trip error up to {ratio.max().item():.4g} of the "
-                f"element's rank-1 scale, bound {self.max_error[signed]:.4g}"]
+        return [
+            f"signed={signed}, shape {tuple(x.shape)}: round-trip error up to {ratio.max().item():.4g} of the "
+            f"element's rank-1 scale, bound {self.max_error[signed]:.4g}"
+        ]
 
     def test_rank1_scales(self):
         x = torch.rand(6, 300)
@@ -135,8 +139,11 @@ class TestFourBitRank1(StateFormatTestCase):
         self.assertFalse(FourBitRank1Tensor.matches_layout(q, signed=False, block_size=64))
         blockwise = FourBitRank1Tensor.zeros((6, 300), signed=False, rows=0)
         self.assertFalse(FourBitRank1Tensor.matches_layout(blockwise, signed=False, block_size=128))
-        self.assertTrue(FourBitRank1Tensor.matches_layout(FourBitRank1Tensor.zeros((6, 300), signed=True),
-                                                          signed=True, block_size=128))
+        self.assertTrue(
+            FourBitRank1Tensor.matches_layout(
+                FourBitRank1Tensor.zeros((6, 300), signed=True), signed=True, block_size=128
+            )
+        )
 
     def test_rank1_refuses_row_slices_and_bad_rows(self):
         q = FourBitRank1Tensor.from_float(torch.rand(8, 512), signed=False)

@@ -19,7 +19,8 @@ class TestFp8(StateFormatTestCase):
     def test_repr_is_metadata_only(self):
         self.assertExpectedInline(
             repr(Fp8Tensor.zeros((4, 1024), signed=False)),
-            """Fp8Tensor(shape=(4, 1024), dtype=torch.float32, device=cpu, signed=False, block_size=256)""")
+            """Fp8Tensor(shape=(4, 1024), dtype=torch.float32, device=cpu, signed=False, block_size=256)""",
+        )
 
     def test_fields(self):
         q = Fp8Tensor.from_float(torch.randn(3, 1000), signed=True)

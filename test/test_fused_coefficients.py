@@ -1,6 +1,7 @@
 """The fused path's coefficient kernel computes rules.adam.adam_coefficients (then rounded to fp32).
 
 Runs on CUDA, or in Triton's interpreter on a machine without one (test/conftest.py sets it up)."""
+
 import pytest
 import torch
 
@@ -12,14 +13,14 @@ pytestmark = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Trito
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
-@pytest.mark.parametrize("hp", [(1e-3, 0.9, 0.999, 1e-8, 1e-2), (0.3, 0.5, 0.95, 1e-3, 0.0),
-                                (2e-5, 0.0, 0.9999, 0.0, 0.1)])
+@pytest.mark.parametrize(
+    "hp", [(1e-3, 0.9, 0.999, 1e-8, 1e-2), (0.3, 0.5, 0.95, 1e-3, 0.0), (2e-5, 0.0, 0.9999, 0.0, 0.1)]
+)
 def test_coefficients_kernel_matches_adam_coefficients(decoupled, hp):
     from torchao_optim.rules.triton_updates import adam_coefs_kernel
 
     # step counts before the launch (the kernel advances them): small, large, and up to fp32's exact integers
-    steps = torch.tensor([0, 1, 2, 9, 99, 999, 12345, 99999, 1_000_000, 2**24 - 1], dtype=torch.float32,
-                         device=DEVICE)
+    steps = torch.tensor([0, 1, 2, 9, 99, 999, 12345, 99999, 1_000_000, 2**24 - 1], dtype=torch.float32, device=DEVICE)
     hyperparams = torch.tensor(hp, dtype=torch.float64, device=DEVICE)
     coefs = torch.empty(len(steps), 7, dtype=torch.float32, device=DEVICE)
     expected = adam_coefficients(steps + 1, hyperparams, decoupled).to(torch.float32)

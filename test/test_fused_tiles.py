@@ -1,6 +1,7 @@
 """Quantization blocks and the fused kernels' register tiles: blocks smaller than a tile share it (each with its
 own absmax), larger ones take a tile of their own with more warps. Whatever the block size, the fused step
 stores what the unfused update stores. Without CUDA the fused step runs in Triton's interpreter (conftest.py)."""
+
 import pytest
 import torch
 
@@ -17,8 +18,7 @@ def _steps(fused: bool, fmt: str, block: int, grad_scale: float = 1e-2):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
     grads = [[(torch.randn(s, generator=gen) * grad_scale).to(DEVICE) for s in SHAPES] for _ in range(3)]
-    opt = torchao_optim.AdamW(params, state_format=fmt, block_size=block, min_quant_size=0, fused=fused,
-                              compile=False)
+    opt = torchao_optim.AdamW(params, state_format=fmt, block_size=block, min_quant_size=0, fused=fused, compile=False)
     for step in grads:
         for p, g in zip(params, step):
             p.grad = g
@@ -27,8 +27,17 @@ def _steps(fused: bool, fmt: str, block: int, grad_scale: float = 1e-2):
 
 
 @pytest.mark.skipif(not fused_available(DEVICE), reason="the fused kernels cannot run here (no Triton)")
-@pytest.mark.parametrize("fmt,block,grad_scale", [("dtq8", 64, 1e-2), ("4bit", 32, 1e-2), ("fp8", 128, 1e-2),
-                                                  ("dtq8", 512, 1e-2), ("dtq8", 256, 1e-21), ("4bit", 128, 1e-21)])
+@pytest.mark.parametrize(
+    "fmt,block,grad_scale",
+    [
+        ("dtq8", 64, 1e-2),
+        ("4bit", 32, 1e-2),
+        ("fp8", 128, 1e-2),
+        ("dtq8", 512, 1e-2),
+        ("dtq8", 256, 1e-21),
+        ("4bit", 128, 1e-21),
+    ],
+)
 def test_blocks_sharing_a_tile_or_spanning_warps_store_what_the_update_stores(fmt, block, grad_scale):
     # (gradients of 1e-21: exp_avg_sq is subnormal, and so is its absmax, whose reciprocal overflows fp32)
     fused_params, fused = _steps(True, fmt, block, grad_scale)
@@ -71,7 +80,7 @@ def test_program_map_covers_every_tile_once_with_a_tail_of_one_tile_programs():
         covered = [(t, f + i) for t, f, c in zip(tensors.tolist(), firsts.tolist(), counts.tolist()) for i in range(c)]
         assert covered == [(t, b) for t, n in enumerate([12, 6, 1, 1, 2, 1]) for b in range(n)]  # once, in order
         assert counts.max() <= iters and counts.min() >= 1
-        last = counts[-min(tail, 23):] if tail else counts[:0]  # the last `tail` tiles: one per program
+        last = counts[-min(tail, 23) :] if tail else counts[:0]  # the last `tail` tiles: one per program
         assert (last == 1).all() and int(last.numel()) == min(tail, 23)
     # 13 tiles of tail: the first tensor keeps a program of 8 and one of 2 (its tiles before the tail), then ones
     assert fused_mod.program_map(numels, 256, 8, 13)[2].tolist()[:4] == [8, 2, 1, 1]

@@ -5,11 +5,11 @@ in a function body as much as at the top of a file: a function-level import is s
 one. A module may import its own layer and the layers below it, never one above, and no two subpackages may
 import each other in a cycle.
 """
+
 from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
 
 PACKAGE = "torchao_optim"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
@@ -23,7 +23,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _sources() -> Dict[str, Tuple[str, bool]]:
+def _sources() -> dict[str, tuple[str, bool]]:
     """Every module of the package: its name -> (its source, whether it is a package's ``__init__``)."""
     return {_module_name(path): (path.read_text(), path.name == "__init__.py") for path in sorted(ROOT.rglob("*.py"))}
 
@@ -34,7 +34,7 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else ""
 
 
-def imports(sources: Dict[str, Tuple[str, bool]]) -> List[Tuple[str, int, str]]:
+def imports(sources: dict[str, tuple[str, bool]]) -> list[tuple[str, int, str]]:
     """``(importing module, line, imported module)`` for every import of a module of the package in ``sources``
     (as :func:`_sources` gives them)."""
     found = []
@@ -46,32 +46,35 @@ def imports(sources: Dict[str, Tuple[str, bool]]) -> List[Tuple[str, int, str]]:
                 base = node.module or ""
                 if node.level:  # relative: from the importing module's package, up level - 1 packages
                     package = name.split(".") if is_package else name.split(".")[:-1]
-                    package = package[:len(package) - (node.level - 1)]
+                    package = package[: len(package) - (node.level - 1)]
                     base = ".".join(package + ([base] if base else []))
                 # ``from a import b`` imports module a.b where there is one, else a name of a
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in sources else base
-                           for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in sources else base for alias in node.names
+                ]
             else:
                 continue
             found += [(name, node.lineno, t) for t in targets if t == PACKAGE or t.startswith(PACKAGE + ".")]
     return list(dict.fromkeys(found))  # one per imported module and line
 
 
-def upward_imports(edges) -> List[str]:
+def upward_imports(edges) -> list[str]:
     bad = []
     for importer, line, imported in edges:
         low, high = _layer(importer), _layer(imported)
         for layer in (low, high):
             assert layer in LAYERS, f"{PACKAGE}.{layer} is in no layer of test_imports.LAYERS: give it its place"
         if LAYERS.index(high) > LAYERS.index(low):
-            bad.append(f"{importer} (line {line}) imports {imported}: {low} may not import {high or PACKAGE} "
-                       f"(the order is {' -> '.join(x or PACKAGE for x in LAYERS)})")
+            bad.append(
+                f"{importer} (line {line}) imports {imported}: {low} may not import {high or PACKAGE} "
+                f"(the order is {' -> '.join(x or PACKAGE for x in LAYERS)})"
+            )
     return bad
 
 
-def subpackage_cycles(edges) -> List[str]:
-    graph: Dict[str, Set[str]] = {}
-    where: Dict[Tuple[str, str], str] = {}
+def subpackage_cycles(edges) -> list[str]:
+    graph: dict[str, set[str]] = {}
+    where: dict[tuple[str, str], str] = {}
     for importer, line, imported in edges:
         a, b = _layer(importer), _layer(imported)
         if a != b:
@@ -79,15 +82,18 @@ def subpackage_cycles(edges) -> List[str]:
             where.setdefault((a, b), f"{importer} (line {line}) imports {imported}")
     cycles, seen = [], set()
 
-    def visit(node: str, path: List[str]) -> None:
+    def visit(node: str, path: list[str]) -> None:
         for nxt in sorted(graph.get(node, ())):
             if nxt in path:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 key = frozenset(cycle)
                 if key not in seen:
                     seen.add(key)
-                    cycles.append(" -> ".join(x or PACKAGE for x in cycle) + ": "
-                                  + "; ".join(where[(x, y)] for x, y in zip(cycle, cycle[1:])))
+                    cycles.append(
+                        " -> ".join(x or PACKAGE for x in cycle)
+                        + ": "
+                        + "; ".join(where[(x, y)] for x, y in zip(cycle, cycle[1:]))
+                    )
             else:
                 visit(nxt, path + [nxt])
 
@@ -97,21 +103,26 @@ def subpackage_cycles(edges) -> List[str]:
 
 
 def test_the_checks_see_function_level_and_relative_imports():
-    sources = {"torchao_optim.kernels": ("from . import x\n", True),
-               "torchao_optim.kernels.x": ("import torch\n\ndef f():\n    from ..optim.fused import plan_group\n",
-                                           False),
-               "torchao_optim.optim.fused": ("", False),
-               "torchao_optim.optim.y": ("import torchao_optim.kernels.x as x\n", False)}
+    sources = {
+        "torchao_optim.kernels": ("from . import x\n", True),
+        "torchao_optim.kernels.x": ("import torch\n\ndef f():\n    from ..optim.fused import plan_group\n", False),
+        "torchao_optim.optim.fused": ("", False),
+        "torchao_optim.optim.y": ("import torchao_optim.kernels.x as x\n", False),
+    }
     edges = imports(sources)
-    assert sorted(edges) == [("torchao_optim.kernels", 1, "torchao_optim.kernels.x"),
-                             ("torchao_optim.kernels.x", 4, "torchao_optim.optim.fused"),
-                             ("torchao_optim.optim.y", 1, "torchao_optim.kernels.x")]
+    assert sorted(edges) == [
+        ("torchao_optim.kernels", 1, "torchao_optim.kernels.x"),
+        ("torchao_optim.kernels.x", 4, "torchao_optim.optim.fused"),
+        ("torchao_optim.optim.y", 1, "torchao_optim.kernels.x"),
+    ]
     assert upward_imports(edges) == [
         "torchao_optim.kernels.x (line 4) imports torchao_optim.optim.fused: kernels may not import optim (the "
-        "order is quant -> state -> rules -> kernels -> optim -> testing -> torchao_optim)"]
+        "order is quant -> state -> rules -> kernels -> optim -> testing -> torchao_optim)"
+    ]
     assert subpackage_cycles(edges) == [
         "kernels -> optim -> kernels: torchao_optim.kernels.x (line 4) imports torchao_optim.optim.fused; "
-        "torchao_optim.optim.y (line 1) imports torchao_optim.kernels.x"]
+        "torchao_optim.optim.y (line 1) imports torchao_optim.kernels.x"
+    ]
 
 
 def test_no_module_imports_a_higher_layer():

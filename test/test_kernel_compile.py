@@ -8,6 +8,7 @@ interpreter, under the register cap the planner gives it (``optim.fused.REGISTER
 registers to the stack, nor load or store a single byte in its loop. The one-state kernel (SGD, Lion) is
 compiled the same way, for its inline PTX.
 """
+
 import importlib.util
 import json
 import os
@@ -34,9 +35,25 @@ def _backend_tools():
 def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-W", "ignore", str(ROOT / "benchmarks" / "count_instructions.py"),
-                           "--dtype", dtype, "--bits", str(bits), "--block", str(block), "--json"],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore",
+            str(ROOT / "benchmarks" / "count_instructions.py"),
+            "--dtype",
+            dtype,
+            "--bits",
+            str(bits),
+            "--block",
+            str(block),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["stack_bytes"] == 0, stats
@@ -69,13 +86,19 @@ print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 
 
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
-@pytest.mark.parametrize("dtype,bits,rule", [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"),
-                                             ("bf16", 4, "sgd")])
+@pytest.mark.parametrize(
+    "dtype,bits,rule", [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"), ("bf16", 4, "sgd")]
+)
 def test_momentum_kernel_compiles_for_sm90(dtype, bits, rule):
     """The one-state kernel (SGD with momentum, Lion), with its inline PTX, compiles too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), rule],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), rule],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) > 0

@@ -4,6 +4,7 @@ parameter dtype of the fused path, with many chunks and with one; checkpoints re
 what cannot be offloaded is refused by name. On the CPU the fused kernels run in Triton's interpreter (conftest)
 with CPU slots; on CUDA the same tests also check that the state is page-locked and that the GPU holds only the
 two slots."""
+
 import copy
 
 import pytest

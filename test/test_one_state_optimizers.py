@@ -1,4 +1,5 @@
 """SGD8bit, Lion8bit and Muon8bit beyond the conformance case; torch.optim's implementation keywords everywhere."""
+
 import pytest
 import torch
 
@@ -58,10 +59,13 @@ def test_sgd_without_momentum_keeps_no_state_and_matches_torch():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("cls, ref_cls, kw", [
-    (SGD8bit, torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
-    (Muon8bit, torch.optim.Muon, dict(lr=0.02)),
-])
+@pytest.mark.parametrize(
+    "cls, ref_cls, kw",
+    [
+        (SGD8bit, torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
+        (Muon8bit, torch.optim.Muon, dict(lr=0.02)),
+    ],
+)
 def test_loads_torch_optim_state_dict(cls, ref_cls, kw):
     """torch.optim.SGD's and Muon's state_dicts have no step count: the buffers exist, so one step has run. With
     fp32 state, ours continues exactly as torch.optim does."""
@@ -85,6 +89,7 @@ def test_newton_schulz_is_torch_muons_bit_for_bit():
     for shape in ((64, 96), (96, 64), (5, 5)):
         g = torch.randn(shape, generator=torch.Generator().manual_seed(1))
         from torch.optim._muon import _zeropower_via_newtonschulz
+
         assert torch.equal(newton_schulz(g), _zeropower_via_newtonschulz(g, (3.4445, -4.775, 2.0315), 5, 1e-7))
     with pytest.raises(ValueError, match="2-D"):
         newton_schulz(torch.randn(3))
@@ -92,8 +97,9 @@ def test_newton_schulz_is_torch_muons_bit_for_bit():
 
 def test_muon_routes_non_matrices_to_adamw():
     a, b, c = params((64, 96), (96,), (4, 4, 8))
-    opt = Muon8bit([{"params": [a, b, c]}, {"params": params((32, 32)), "use_muon": False}], compile=False,
-                   min_quant_size=0)
+    opt = Muon8bit(
+        [{"params": [a, b, c]}, {"params": params((32, 32)), "use_muon": False}], compile=False, min_quant_size=0
+    )
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = torch.randn_like(p)

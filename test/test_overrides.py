@@ -1,4 +1,5 @@
 """Per-parameter overrides: by parameter, module type and name pattern; bitsandbytes' StableEmbedding override."""
+
 import sys
 import types
 
@@ -24,11 +25,21 @@ def names(group):
 
 def test_by_name_module_type_and_parameter():
     model = Model()
-    groups = overrides(model, {"*embed*": "none", torch.nn.LayerNorm: {"state_format": "none", "weight_decay": 0.0},
-                               model.head.weight: "test_cubic8" if "test_cubic8" in torchao_optim.list_state_formats()
-                               else "dtq8", "head.*": "never reached: a parameter key comes first"})
-    assert [names(g) for g in groups] == [["proj.weight", "proj.bias"], ["embed_tokens.weight"],
-                                          ["norm.weight", "norm.bias"], ["head.weight"]]
+    groups = overrides(
+        model,
+        {
+            "*embed*": "none",
+            torch.nn.LayerNorm: {"state_format": "none", "weight_decay": 0.0},
+            model.head.weight: "test_cubic8" if "test_cubic8" in torchao_optim.list_state_formats() else "dtq8",
+            "head.*": "never reached: a parameter key comes first",
+        },
+    )
+    assert [names(g) for g in groups] == [
+        ["proj.weight", "proj.bias"],
+        ["embed_tokens.weight"],
+        ["norm.weight", "norm.bias"],
+        ["head.weight"],
+    ]
     assert set(groups[0]) == {"params"}
     assert groups[1]["state_format"] == "none"
     assert groups[2] == dict(groups[2], state_format="none", weight_decay=0.0)
@@ -37,8 +48,11 @@ def test_by_name_module_type_and_parameter():
 def test_first_matching_rule_wins_and_defaults():
     model = Model()
     groups = overrides(model, {"proj.*": {"lr": 0.1}, torch.nn.Linear: "none"}, defaults={"weight_decay": 0.0})
-    assert [names(g) for g in groups] == [["embed_tokens.weight", "norm.weight", "norm.bias"],
-                                          ["proj.weight", "proj.bias"], ["head.weight"]]
+    assert [names(g) for g in groups] == [
+        ["embed_tokens.weight", "norm.weight", "norm.bias"],
+        ["proj.weight", "proj.bias"],
+        ["head.weight"],
+    ]
     assert groups[0]["weight_decay"] == 0.0 and groups[1]["lr"] == 0.1 and groups[2]["state_format"] == "none"
 
 
@@ -51,8 +65,10 @@ def test_bad_rules_are_named():
 
 def test_one_line_keeps_an_embedding_in_fp32_state():
     """The issue's acceptance line, for our optimizer and for a stock one through quantize_optimizer_state."""
-    for make in (lambda g: torchao_optim.AdamW8bit(g, compile=False, fused=False),
-                 lambda g: quantize_optimizer_state(torch.optim.AdamW(g))):
+    for make in (
+        lambda g: torchao_optim.AdamW8bit(g, compile=False, fused=False),
+        lambda g: quantize_optimizer_state(torch.optim.AdamW(g)),
+    ):
         model = Model()
         opt = make(overrides(model, {"*embed*": "none"}))
         for p in model.parameters():

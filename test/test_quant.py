@@ -25,7 +25,9 @@ def nearest_distance(y, table):
     return (y[:, None] - table[None, :]).abs().min(dim=1).values
 
 
-@pytest.mark.parametrize("signed,max_exponent_bits,total_bits", [(True, 7, 8), (False, 7, 8), (True, 3, 4), (False, 3, 4)])
+@pytest.mark.parametrize(
+    "signed,max_exponent_bits,total_bits", [(True, 7, 8), (False, 7, 8), (True, 3, 4), (False, 3, 4)]
+)
 def test_codes_are_nearest(signed, max_exponent_bits, total_bits):
     table = create_dynamic_map(signed, max_exponent_bits, total_bits)
     values = dynamic_map_values(signed, max_exponent_bits, total_bits)

@@ -1,4 +1,5 @@
 """quantize_optimizer_state: stock torch.optim optimizers over quantized state, rounded once per step."""
+
 import copy
 import pickle
 import warnings
@@ -129,8 +130,12 @@ def test_chunks_bound_what_is_dequantized_and_change_nothing():
 
     class Recording(torch.optim.SGD):
         def step(self, closure=None):
-            fp32 = [k for p in self.param_groups[0]["params"] for k, v in self.state[p].items()
-                    if type(v) is torch.Tensor and v.numel() >= 4096]
+            fp32 = [
+                k
+                for p in self.param_groups[0]["params"]
+                for k, v in self.state[p].items()
+                if type(v) is torch.Tensor and v.numel() >= 4096
+            ]
             quantized = [v for s in self.state.values() for v in s.values() if isinstance(v, QuantizedState)]
             seen.append((len(self.param_groups[0]["params"]), len(fp32), len(quantized)))
             return super().step(closure)
@@ -143,8 +148,14 @@ def test_chunks_bound_what_is_dequantized_and_change_nothing():
     assert all(torch.equal(p, q) for p, q in zip(a, b))
 
 
-@pytest.mark.parametrize("kw, hint", [({"fused": True}, "foreach=True"), ({"capturable": True}, "capturable=False"),
-                                      ({"differentiable": True}, "differentiable=False")])
+@pytest.mark.parametrize(
+    "kw, hint",
+    [
+        ({"fused": True}, "foreach=True"),
+        ({"capturable": True}, "capturable=False"),
+        ({"differentiable": True}, "differentiable=False"),
+    ],
+)
 def test_refuses_what_it_cannot_run(kw, hint):
     with pytest.raises(ValueError, match=hint):
         quantize_optimizer_state(torch.optim.AdamW(params(), **kw))
@@ -170,9 +181,15 @@ def test_refuses_twice_unknown_format_and_our_optimizers():
 def test_group_storage_options_are_honoured():
     """A group's own state_format, min_quant_size and block_size (as overrides() produces them) win."""
     a, b, c = params()
-    opt = quantize_optimizer_state(torch.optim.AdamW([{"params": [a], "state_format": "none"},
-                                                      {"params": [b], "block_size": 128},
-                                                      {"params": [c], "min_quant_size": 10}]))
+    opt = quantize_optimizer_state(
+        torch.optim.AdamW(
+            [
+                {"params": [a], "state_format": "none"},
+                {"params": [b], "block_size": 128},
+                {"params": [c], "min_quant_size": 10},
+            ]
+        )
+    )
     train(opt, [a, b, c], 1)
     assert type(opt.state[a]["exp_avg"]) is torch.Tensor
     assert opt.state[b]["exp_avg"].block_size == 128
@@ -238,10 +255,10 @@ def test_hooks_closure_and_schedulers():
         if not scheduler_first:
             sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.0)
         calls = []
-        opt.register_step_pre_hook(lambda *a: calls.append("pre"))
-        opt.register_step_post_hook(lambda *a: calls.append("post"))
+        opt.register_step_pre_hook(lambda *a, calls=calls: calls.append("pre"))
+        opt.register_step_post_hook(lambda *a, calls=calls: calls.append("post"))
 
-        def closure():
+        def closure(calls=calls):
             calls.append("closure")
             return torch.tensor(1.0)
 

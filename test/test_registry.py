@@ -5,8 +5,15 @@ from pathlib import Path
 
 import pytest
 
-from torchao_optim import (DTQ8bitTensor, FourBitRank1Tensor, FourBitTensor, Fp8Tensor, get_state_format,
-                           list_state_formats, register_state_format)
+from torchao_optim import (
+    DTQ8bitTensor,
+    FourBitRank1Tensor,
+    FourBitTensor,
+    Fp8Tensor,
+    get_state_format,
+    list_state_formats,
+    register_state_format,
+)
 from torchao_optim.state import QuantizedState
 
 
@@ -38,7 +45,12 @@ def test_six_more_formats_pass_the_shared_cases_in_one_process():
     enroll in the generated conformance classes of the other test files."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           str(here / "six_made_up_formats.py")],
-                          env=env, cwd=here.parent, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "six_made_up_formats.py")],
+        env=env,
+        cwd=here.parent,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -1,4 +1,5 @@
 """Stochastic rounding to bf16: unbiased, reproducible, and the same bits from torch and from the kernels."""
+
 import pytest
 import torch
 
@@ -21,10 +22,16 @@ def test_result_is_a_neighbour_and_exact_values_stay():
     x = _values(20000)
     y = stochastic_round_bf16(x, rounding_key(torch.tensor(5), torch.tensor(11.0))).to(torch.float32)
     down = x.to(torch.bfloat16).to(torch.float32)  # nearest; the neighbours bracket x
-    lower = torch.where(down <= x, down, torch.nextafter(down.to(torch.bfloat16), torch.tensor(-float("inf"),
-                        dtype=torch.bfloat16)).to(torch.float32))
-    upper = torch.where(down >= x, down, torch.nextafter(down.to(torch.bfloat16), torch.tensor(float("inf"),
-                        dtype=torch.bfloat16)).to(torch.float32))
+    lower = torch.where(
+        down <= x,
+        down,
+        torch.nextafter(down.to(torch.bfloat16), torch.tensor(-float("inf"), dtype=torch.bfloat16)).to(torch.float32),
+    )
+    upper = torch.where(
+        down >= x,
+        down,
+        torch.nextafter(down.to(torch.bfloat16), torch.tensor(float("inf"), dtype=torch.bfloat16)).to(torch.float32),
+    )
     finite = torch.isfinite(y)
     assert bool(((y == lower) | (y == upper))[finite].all())
     exact = x == down
@@ -46,8 +53,11 @@ def test_unbiased(value):
 
 def test_keys_differ_by_parameter_and_step_and_are_reproducible():
     x = torch.full((4096,), 1.0 + 1e-3)
-    runs = {(i, s): stochastic_round_bf16(x, rounding_key(torch.tensor(i), torch.tensor(float(s))))
-            for i in range(3) for s in range(1, 4)}
+    runs = {
+        (i, s): stochastic_round_bf16(x, rounding_key(torch.tensor(i), torch.tensor(float(s))))
+        for i in range(3)
+        for s in range(1, 4)
+    }
     for a in runs:
         for b in runs:
             assert torch.equal(runs[a], runs[b]) == (a == b)

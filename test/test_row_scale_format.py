@@ -2,6 +2,7 @@
 size is asked for) resumes exactly from a checkpoint with no edit under torchao_optim/optim/: the optimizer
 asks the format (``QuantizedState.matches_layout``) whether a loaded state is laid out as it would store a new
 one, and keeps its codes."""
+
 import pytest
 import torch
 
@@ -37,8 +38,13 @@ class RowScale8Tensor(CodebookState):
 
     @classmethod
     def layout(cls, *, signed, block_size):
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=dynamic_map_values(signed),
-                           never_zero=not signed)
+        return StateLayout(
+            codes="codes",
+            scales="absmax",
+            block_size=block_size,
+            codebook=dynamic_map_values(signed),
+            never_zero=not signed,
+        )
 
     @classmethod
     def matches_layout(cls, value, *, signed, block_size):

@@ -2,6 +2,7 @@
 "none") on each executor it has passes the rule conformance case: one generated class per (optimizer, format,
 executor), nothing listed by hand. Fused classes skip where the fused executor cannot run; without CUDA they run
 in Triton's interpreter (conftest.py)."""
+
 import made_up_formats  # noqa: F401  (registers the test-only formats, so that they are covered too)
 
 from torchao_optim import list_state_formats
@@ -37,6 +38,14 @@ for _rule, _spec in RULES.items():
     for _fmt in ["none"] + list_state_formats():
         for _executor in _executors(_spec, _fmt):
             _name = _class_name(_rule, _fmt, _executor)
-            globals()[_name] = type(_name, (RuleConformanceCase,), {
-                "rule": _rule, "format_name": _fmt, "executor": _executor, "__module__": __name__,
-                "parity_slack": SLACK.get((_rule, _fmt), 1.0)})
+            globals()[_name] = type(
+                _name,
+                (RuleConformanceCase,),
+                {
+                    "rule": _rule,
+                    "format_name": _fmt,
+                    "executor": _executor,
+                    "__module__": __name__,
+                    "parity_slack": SLACK.get((_rule, _fmt), 1.0),
+                },
+            )

@@ -3,6 +3,7 @@ built for, never running another rule's arithmetic in its place.
 
 The Triton kernels run in Triton's interpreter on a machine without CUDA (test/conftest.py sets it up); the C step
 is built on first use."""
+
 import dataclasses
 
 import pytest
@@ -17,8 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built")
 needs_triton = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Triton (CUDA or its interpreter)")
 # one state, as SGD's, but a rule no kernel was built for
-MADE_UP = FusedRule("made_up", ("momentum_buffer",), (True,), ("a", "b", "c", "d"), sgd_coefficients,
-                    c_name="made_up")
+MADE_UP = FusedRule("made_up", ("momentum_buffer",), (True,), ("a", "b", "c", "d"), sgd_coefficients, c_name="made_up")
 
 
 class MadeUpSGD(SGD8bit):
@@ -56,23 +56,34 @@ def test_every_built_in_rule_is_in_the_c_steps_table():
 
 @needs_c
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C step runs CPU parameters")
-@pytest.mark.parametrize("rule,match", [
-    (MADE_UP, r"'made_up' names the C function 'made_up', which it lacks"),
-    (dataclasses.replace(MADE_UP, c_name=None), r"'made_up' declares no C function"),
-    # the name of a rule the table has, with other states: refused, not run with SGD's arithmetic
-    (dataclasses.replace(MADE_UP, c_name="adam"), r"'made_up' has 1 states and 4 coefficients, but .*'adam' takes 2"),
-    (dataclasses.replace(SGD, name="made_up", option="centered"), r"'made_up' takes the option 'centered'"),
-])
+@pytest.mark.parametrize(
+    "rule,match",
+    [
+        (MADE_UP, r"'made_up' names the C function 'made_up', which it lacks"),
+        (dataclasses.replace(MADE_UP, c_name=None), r"'made_up' declares no C function"),
+        # the name of a rule the table has, with other states: refused, not run with SGD's arithmetic
+        (
+            dataclasses.replace(MADE_UP, c_name="adam"),
+            r"'made_up' has 1 states and 4 coefficients, but .*'adam' takes 2",
+        ),
+        (dataclasses.replace(SGD, name="made_up", option="centered"), r"'made_up' takes the option 'centered'"),
+    ],
+)
 def test_the_c_step_refuses_a_rule_it_was_not_built_for(rule, match):
     _step_refused(None, rule, match)
 
 
 @needs_triton
-@pytest.mark.parametrize("rule,match", [
-    (MADE_UP, r"'made_up' declares no Triton element update"),
-    (dataclasses.replace(SGD, name="made_up", coefficient_names=("a",) * 5),
-     r"'made_up' has 5 coefficients .* reads 4"),
-])
+@pytest.mark.parametrize(
+    "rule,match",
+    [
+        (MADE_UP, r"'made_up' declares no Triton element update"),
+        (
+            dataclasses.replace(SGD, name="made_up", coefficient_names=("a",) * 5),
+            r"'made_up' has 5 coefficients .* reads 4",
+        ),
+    ],
+)
 def test_the_triton_kernels_refuse_a_rule_they_were_not_built_for(rule, match):
     _step_refused(True, rule, match)
 
@@ -81,8 +92,12 @@ def test_a_rules_signs_match_its_states():
     with pytest.raises(ValueError, match="2 state keys"):
         FusedRule("r", ("a", "b"), (True,), ("c",), sgd_coefficients)
     params = [torch.nn.Parameter(torch.zeros(2))]
-    for opt, rule in ((AdamW(params), ADAM), (Adam(params), ADAM), (SGD8bit(params, momentum=0.9), SGD),
-                      (Lion8bit(params), LION)):
+    for opt, rule in (
+        (AdamW(params), ADAM),
+        (Adam(params), ADAM),
+        (SGD8bit(params, momentum=0.9), SGD),
+        (Lion8bit(params), LION),
+    ):
         assert opt._fused_rule(opt.param_groups[0]) is rule
         assert tuple(opt._signed(k) for k in rule.state_keys) == rule.signed
 
@@ -92,7 +107,8 @@ def test_a_launch_setting_the_rule_does_not_take_is_refused():
     """SGD8bit hands its kernels ``nesterov``; a rule without that option would ignore it."""
     rule = dataclasses.replace(SGD, name="made_up", option=None)
     opt = type("Opt", (SGD8bit,), {"_fused_rule": lambda self, group: rule})(
-        [torch.nn.Parameter(torch.randn(4096, device=DEVICE))], lr=0.1, momentum=0.9, compile=False)
+        [torch.nn.Parameter(torch.randn(4096, device=DEVICE))], lr=0.1, momentum=0.9, compile=False
+    )
     opt.param_groups[0]["params"][0].grad = torch.ones(4096, device=DEVICE)
     with pytest.raises(TypeError, match=r"rule 'made_up' takes no launch setting \['nesterov'\]"):
         opt.step()

@@ -1,6 +1,7 @@
 """A shared test case that fails says, in one message, everything that failed: the format (and executor), every
 shape that failed, what was measured and the bound. Checked here by running the cases with bounds that cannot
 hold, on purpose."""
+
 import itertools
 import re
 import unittest
@@ -25,10 +26,12 @@ def test_parity_failure_names_every_shape_with_its_measure_and_bound():
     message = failure(TightParity("test_adamw_matches_torch_adamw"))
     assert "format 'dtq8', executor 'eager': 4 failed" in message
     for shape in ("(4, 128)", "(3, 100)"):
-        assert re.search(rf"AdamW, shape {re.escape(shape)}: mean \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.0001",
-                         message), message
-        assert re.search(rf"AdamW, shape {re.escape(shape)}: max \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.001",
-                         message), message
+        assert re.search(
+            rf"AdamW, shape {re.escape(shape)}: mean \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.0001", message
+        ), message
+        assert re.search(
+            rf"AdamW, shape {re.escape(shape)}: max \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.001", message
+        ), message
 
 
 def test_exact_resume_failure_names_every_shape_and_difference():
@@ -40,14 +43,24 @@ def test_exact_resume_failure_names_every_shape_and_difference():
             if next(self.calls) % 2 == 0:
                 return super().optimizer(params, **kw)
             # the resumed optimizer keeps its own block size (a storage setting): its states are laid out anew
-            return AdamW(params, lr=self.lr, weight_decay=0.1, block_size=64, compile=False, fused=False,
-                         min_quant_size=self.min_quant_size)
+            return AdamW(
+                params,
+                lr=self.lr,
+                weight_decay=0.1,
+                block_size=64,
+                compile=False,
+                fused=False,
+                min_quant_size=self.min_quant_size,
+            )
 
     message = failure(ResumedWithOtherBlocks("test_exact_resume"))
     assert "format 'dtq8', executor 'eager': 6 failed" in message
     for shape in ("(4, 128)", "(3, 100)"):
-        assert re.search(rf"shape {re.escape(shape)}: the resumed parameter against the one that went on: \d+ of "
-                         rf"\d+ elements differ, by up to [0-9.e-]+; bound: bit-identical", message), message
+        assert re.search(
+            rf"shape {re.escape(shape)}: the resumed parameter against the one that went on: \d+ of "
+            rf"\d+ elements differ, by up to [0-9.e-]+; bound: bit-identical",
+            message,
+        ), message
         assert f"shape {shape}: exp_avg_sq: attributes {{'signed': False, 'block_size': 64}} against" in message
 
 
@@ -60,6 +73,9 @@ def test_round_trip_failure_names_format_every_shape_and_bound():
     message = failure(TightFormat("test_from_float_round_trip_error"))
     assert "format 'fp8' (block_size=256): 8 failed" in message
     for signed, shape in itertools.product((True, False), ("(4096,)", "(16, 256)", "(1000, 3)", "(300,)")):
-        assert re.search(rf"signed={signed}, shape {re.escape(shape)}: \d+ of \d+ blocks over the bound; the worst, "
-                         rf"block \d+, has a round-trip error of [0-9.e-]+ of its absmax \([0-9.e-]+\), bound "
-                         rf"max_error=0.001", message), message
+        assert re.search(
+            rf"signed={signed}, shape {re.escape(shape)}: \d+ of \d+ blocks over the bound; the worst, "
+            rf"block \d+, has a round-trip error of [0-9.e-]+ of its absmax \([0-9.e-]+\), bound "
+            rf"max_error=0.001",
+            message,
+        ), message

@@ -1,6 +1,7 @@
 """A group's CUDA step replayed from a CUDA graph (optim/replay.py) steps exactly as the step issued from Python
 (on a GPU), and what decides when a graph is captured, replayed or dropped (on the CPU, with the capture
 stood in for: the signature and the capture policy are plain Python)."""
+
 import pytest
 import torch
 
@@ -9,8 +10,9 @@ from torchao_optim.optim import replay
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
 
-requires_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and fused_available()),
-                                   reason="needs a CUDA device and Triton")
+requires_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and fused_available()), reason="needs a CUDA device and Triton"
+)
 
 SHAPES = [(256, 64), (1000, 7), (300,), (5000,), (3, 4096)]
 
@@ -44,8 +46,19 @@ def train(opt, params, grads, graphs: bool, lr_tensor=None):
 
 
 @requires_cuda
-@pytest.mark.parametrize("case", ["fused-fp32", "compiled-fp32", "fused-bf16-sr", "compiled-bf16-sr",
-                                  "fused-tensor-lr", "sgd8bit", "compiled-4bit", "muon8bit"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fused-fp32",
+        "compiled-fp32",
+        "fused-bf16-sr",
+        "compiled-bf16-sr",
+        "fused-tensor-lr",
+        "sgd8bit",
+        "compiled-4bit",
+        "muon8bit",
+    ],
+)
 def test_replayed_step_equals_the_step_from_python(case, monkeypatch):
     dtype = torch.bfloat16 if "bf16" in case else torch.float32
     gen = torch.Generator().manual_seed(0)
@@ -53,8 +66,9 @@ def test_replayed_step_equals_the_step_from_python(case, monkeypatch):
     grads = [[torch.randn(s, generator=gen).to("cuda", dtype) * 1e-2 for s in SHAPES] for _ in range(10)]
     captures = []
     real_capture = replay.StepGraph._capture
-    monkeypatch.setattr(replay.StepGraph, "_capture",
-                        lambda self, work, device: captures.append(1) or real_capture(self, work, device))
+    monkeypatch.setattr(
+        replay.StepGraph, "_capture", lambda self, work, device: captures.append(1) or real_capture(self, work, device)
+    )
 
     def build():
         params = [torch.nn.Parameter(x.to("cuda", dtype)) for x in init]
@@ -135,8 +149,17 @@ def cpu_graphs(monkeypatch):
     def run(self, signature, keep, work, device):
         before = self.graph
         replayed = real_run(self, signature, keep, work, device)
-        events.append((signature, "replayed" if before is not None and self.graph is before
-                       else "captured" if self.graph is not None else "python", "full"))
+        events.append(
+            (
+                signature,
+                "replayed"
+                if before is not None and self.graph is before
+                else "captured"
+                if self.graph is not None
+                else "python",
+                "full",
+            )
+        )
         return replayed
 
     def again(self):
@@ -167,7 +190,9 @@ def test_what_keeps_and_what_drops_a_graph(cpu_graphs, fused):
     assert step(lr=3e-4) == step(betas=(0.8, 0.99)) == step(weight_decay=0.1) == "replayed"
     # a setting is a constant of the graph: it is dropped, and captured again once the change has repeated
     assert [step(maximize=True) for _ in range(replay.REPEATS + 2)] == ["python"] * replay.REPEATS + [
-        "captured", "replayed"]
+        "captured",
+        "replayed",
+    ]
     # a moved gradient: the fused path reads its address from a table refreshed before each replay; the
     # compiled path reads it directly, so its graph is dropped
     params[0].grad = params[0].grad.clone()

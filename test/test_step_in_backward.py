@@ -1,5 +1,6 @@
 """``step_in_backward``: each parameter steps as soon as its gradient is accumulated and the gradient is freed;
 training is bit for bit what backward + ``step()`` gives, on both executors, for every optimizer of ours."""
+
 import pytest
 import torch
 
@@ -23,8 +24,7 @@ def _model():
 
 def _batches(n):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 64, generator=g).to(DEVICE), torch.randn(8, 64, generator=g).to(DEVICE))
-            for _ in range(n)]
+    return [(torch.randn(8, 64, generator=g).to(DEVICE), torch.randn(8, 64, generator=g).to(DEVICE)) for _ in range(n)]
 
 
 def _loss(model, x, y):

@@ -1,5 +1,6 @@
 """The optimizer's state is the truth: what users and frameworks do to ``optimizer.state`` and ``param_groups``
 between steps is honoured as ``torch.optim`` honours it."""
+
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,14 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from torchao_optim import AdamW, AdamW8bit
 from torchao_optim.kernels.cpu import cpu_kernels_available
@@ -172,7 +180,6 @@ def test_a_loaded_lr_is_used_while_stepping_in_backward():
     torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
-
 # ---- the stateful property test -------------------------------------------------------------------------------
 # Random sequences of what users and frameworks do to an optimizer, on every executor, with plain and quantized
 # state. After any sequence of events, a step must be exactly the step of a fresh optimizer of the same settings
@@ -204,8 +211,11 @@ def _device(executor):
 def _fill_missing(opt, sd):
     """``sd`` with what the optimizer creates for a state entry that lacks keys (docs/optimizers.md): zeros and
     step 0, so that a fresh optimizer can load it."""
-    ids = {pid: (p, g) for g, saved in zip(opt.param_groups, sd["param_groups"])
-           for p, pid in zip(g["params"], saved["params"])}
+    ids = {
+        pid: (p, g)
+        for g, saved in zip(opt.param_groups, sd["param_groups"])
+        for p, pid in zip(g["params"], saved["params"])
+    }
     for pid, entry in sd["state"].items():
         if entry:
             p, g = ids[pid]
@@ -221,8 +231,15 @@ class OptimizerEvents(RuleBasedStateMachine):
 
     def make(self, groups):
         fused, compile = EXECUTOR_OPTIONS[self.executor]
-        return AdamW(groups, lr=1e-2, weight_decay=0.1, state_format=self.format_name, fused=fused, compile=compile,
-                     min_quant_size=MIN_QUANT_SIZE)
+        return AdamW(
+            groups,
+            lr=1e-2,
+            weight_decay=0.1,
+            state_format=self.format_name,
+            fused=fused,
+            compile=compile,
+            min_quant_size=MIN_QUANT_SIZE,
+        )
 
     @initialize(seed=st.integers(0, 2**16))
     def start(self, seed):
@@ -271,8 +288,11 @@ class OptimizerEvents(RuleBasedStateMachine):
             for key in mine:
                 assert_same_tensor(pytest_case, mine[key], theirs[key], f"parameter {i} state[{key!r}]")
 
-    @rule(key=st.sampled_from(["exp_avg", "exp_avg_sq", "step"]), i=st.integers(0, 7),
-          form=st.sampled_from(["zeros", "plain", "format"]))
+    @rule(
+        key=st.sampled_from(["exp_avg", "exp_avg_sq", "step"]),
+        i=st.integers(0, 7),
+        form=st.sampled_from(["zeros", "plain", "format"]),
+    )
     def replace_state(self, key, i, form):
         params = [p for p in self.all_params() if self.opt.state.get(p)]
         if not params:
@@ -290,8 +310,7 @@ class OptimizerEvents(RuleBasedStateMachine):
             value = get_state_format(self.format_name).from_float(value, signed=key == "exp_avg")
         self.opt.state[p][key] = value
 
-    @rule(key=st.sampled_from(["exp_avg", "exp_avg_sq", "step"]), i=st.integers(0, 7),
-          through_state_dict=st.booleans())
+    @rule(key=st.sampled_from(["exp_avg", "exp_avg_sq", "step"]), i=st.integers(0, 7), through_state_dict=st.booleans())
     def delete_state(self, key, i, through_state_dict):
         params = [p for p in self.all_params() if key in self.opt.state.get(p, {})]
         if not params:
@@ -367,8 +386,9 @@ class OptimizerEvents(RuleBasedStateMachine):
 pytest_case = unittest.TestCase()
 pytest_case.maxDiff = None
 
-STATEFUL_SETTINGS = settings(max_examples=12, stateful_step_count=12, deadline=None,
-                             suppress_health_check=list(HealthCheck), derandomize=True)
+STATEFUL_SETTINGS = settings(
+    max_examples=12, stateful_step_count=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True
+)
 
 
 @pytest.mark.parametrize("format_name", ["none", "dtq8"])
@@ -377,8 +397,9 @@ def test_events_keep_the_optimizer_its_state(executor, format_name):
     reason = _executor_skip(executor)
     if reason:
         pytest.skip(reason)
-    machine = type(f"Events_{executor}_{format_name}", (OptimizerEvents,),
-                   {"executor": executor, "format_name": format_name})
+    machine = type(
+        f"Events_{executor}_{format_name}", (OptimizerEvents,), {"executor": executor, "format_name": format_name}
+    )
     run_state_machine_as_test(machine, settings=STATEFUL_SETTINGS)
 
 

@@ -1,7 +1,19 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
+
 from torchao_optim.optim import (
-    SGD8bit, Adam, Adam4bit, Adam8bit, AdamDTQ8bit, AdamFp8, AdamW, AdamW4bit, AdamW8bit, AdamWFp8, Lion8bit,
-    Muon8bit, dequantize_state_dict,
+    Adam,
+    Adam4bit,
+    Adam8bit,
+    AdamDTQ8bit,
+    AdamFp8,
+    AdamW,
+    AdamW4bit,
+    AdamW8bit,
+    AdamWFp8,
+    Lion8bit,
+    Muon8bit,
+    SGD8bit,
+    dequantize_state_dict,
 )
 from torchao_optim.optim.backward import step_in_backward
 from torchao_optim.optim.overrides import overrides

@@ -1,4 +1,5 @@
 """The training-framework tests: offline, and one intra-op thread per test."""
+
 import os
 
 import pytest

@@ -1,6 +1,7 @@
 """accelerate with our optimizer: ``Accelerator.prepare`` wraps it (and loads its state_dict before the first
 step), gradient accumulation steps it once per window, and ``save_state``/``load_state`` resume a run as exactly
 as they resume torch.optim.AdamW."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,11 @@ pytest.importorskip("accelerate")
 
 from accelerate import Accelerator  # noqa: E402
 from tiny_training import (  # noqa: E402
-    assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot,
+    assert_resumes_as_closely_as_torch,
+    max_abs_diff,
+    mlp,
+    regression_batch,
+    snapshot,
 )
 
 import torchao_optim  # noqa: E402
@@ -29,8 +34,9 @@ def prepared(cls):
     scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     # each item is a micro-batch's seed, shuffled by a seeded sampler: a resumed run sees the same data only if
     # accelerate restores the sampler and skips what was seen
-    loader = torch.utils.data.DataLoader(range(4 * STEPS * ACCUMULATE), batch_size=1, shuffle=True,
-                                         generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(
+        range(4 * STEPS * ACCUMULATE), batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(0)
+    )
     return (accelerator, *accelerator.prepare(model, opt, loader, scheduler))
 
 

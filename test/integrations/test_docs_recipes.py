@@ -2,6 +2,7 @@
 page's order, in one empty folder. A block that imports a framework missing here is skipped, and so is a block
 that starts with ``# after`` (it reads what an earlier recipe wrote) when a block before it in its section did
 not pass."""
+
 from __future__ import annotations
 
 import ast
@@ -41,8 +42,9 @@ def folder(tmp_path_factory):
     return tmp_path_factory.mktemp("recipes")
 
 
-@pytest.mark.parametrize("index", range(len(RECIPES)),
-                         ids=[f"{i}-{section.split()[0]}" for i, (section, _) in enumerate(RECIPES)])
+@pytest.mark.parametrize(
+    "index", range(len(RECIPES)), ids=[f"{i}-{section.split()[0]}" for i, (section, _) in enumerate(RECIPES)]
+)
 def test_recipe_runs_as_pasted(index, folder, monkeypatch):
     section, code = RECIPES[index]
     for module in imported_modules(code):

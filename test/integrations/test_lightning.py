@@ -1,6 +1,7 @@
 """PyTorch Lightning with our optimizer: returned by ``configure_optimizers`` with a per-step scheduler, under
 gradient accumulation, gradient clipping, bf16 autocast and bf16 parameters, and resumed with
 ``fit(ckpt_path=...)`` as exactly as torch.optim.AdamW is."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,11 @@ L = pytest.importorskip("lightning")
 
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from tiny_training import (  # noqa: E402
-    assert_resumes_as_closely_as_torch, max_abs_diff, mlp, regression_batch, snapshot,
+    assert_resumes_as_closely_as_torch,
+    max_abs_diff,
+    mlp,
+    regression_batch,
+    snapshot,
 )
 
 import torchao_optim  # noqa: E402
@@ -45,10 +50,20 @@ class Regression(L.LightningModule):
 
 
 def fit(module, root, precision, ckpt_path=None, callbacks=()):
-    trainer = L.Trainer(max_steps=2 * STEPS, accumulate_grad_batches=ACCUMULATE, gradient_clip_val=0.5,
-                        precision=precision, accelerator="cpu", devices=1, enable_progress_bar=False, logger=False,
-                        enable_model_summary=False, enable_checkpointing=bool(callbacks), callbacks=list(callbacks),
-                        default_root_dir=str(root))
+    trainer = L.Trainer(
+        max_steps=2 * STEPS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=0.5,
+        precision=precision,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        logger=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(callbacks),
+        callbacks=list(callbacks),
+        default_root_dir=str(root),
+    )
     with warnings.catch_warnings():
         # a mid-epoch checkpoint with a plain data loader: the data here does not depend on the loader's position
         warnings.filterwarnings("ignore", message=".*resuming from a checkpoint that ended before the epoch ended.*")

@@ -5,6 +5,7 @@ optimizer container with our class registered under a name.
 Neither torchtune nor torchtitan is in the ``test`` extra (docs/integrations.md says why); their tests skip
 without them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,8 +70,11 @@ def test_a_number_yaml_read_as_text_is_refused_by_value():
 
 
 def test_torchtune_config_instantiate():
-    config = pytest.importorskip("torchtune.config", reason="torchtune is not installed or does not import with the "
-                                 "installed torchao", exc_type=ImportError)
+    config = pytest.importorskip(
+        "torchtune.config",
+        reason="torchtune is not installed or does not import with the installed torchao",
+        exc_type=ImportError,
+    )
     OmegaConf = pytest.importorskip("omegaconf").OmegaConf
     cfg = OmegaConf.create({"optimizer": OPTIMIZER, "lr_scheduler": SCHEDULER})
     model = mlp()
@@ -84,8 +88,9 @@ def test_torchtitan_optimizers_container(tmp_path):
     """torchtitan builds optimizers by name in ``OptimizersContainer``; a subclass maps a name to our class, and its
     own ``Config`` makes torchtitan's trainer build it (``config.optimizer.build(model_parts=...)``). Checkpoints
     go through torch.distributed.checkpoint with FQN-keyed state, and resume as exactly as torch's."""
-    titan = pytest.importorskip("torchtitan.components.optimizer", reason="torchtitan is not installed",
-                                exc_type=ImportError)
+    titan = pytest.importorskip(
+        "torchtitan.components.optimizer", reason="torchtitan is not installed", exc_type=ImportError
+    )
     if not hasattr(titan, "ParamGroupConfig"):
         pytest.skip("this torchtitan predates OptimizersContainer.Config(param_groups=[ParamGroupConfig(...)])")
     import torch.distributed.checkpoint as dcp
@@ -103,10 +108,14 @@ def test_torchtitan_optimizers_container(tmp_path):
 
     def build(name):
         model = mlp()
-        groups = [titan.ParamGroupConfig(pattern=r"\.bias$", optimizer_name=name,
-                                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.0}),
-                  titan.ParamGroupConfig(pattern=r".*", optimizer_name=name,
-                                         optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1})]
+        groups = [
+            titan.ParamGroupConfig(
+                pattern=r"\.bias$", optimizer_name=name, optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.0}
+            ),
+            titan.ParamGroupConfig(
+                pattern=r".*", optimizer_name=name, optimizer_kwargs={"lr": 1e-2, "weight_decay": 0.1}
+            ),
+        ]
         optimizers = Optimizers.Config(param_groups=groups).build(model_parts=[model])
         assert type(optimizers) is Optimizers
         return model, optimizers

@@ -1,6 +1,7 @@
 """PEFT's LoRA with our optimizer over all of a model's parameters: the frozen base weights never get a gradient,
 so they keep no state and do not move, weight decay included; the adapters train, with 8-bit state where they
 are large enough, and the optimizer's state_dict round-trips bit for bit."""
+
 from __future__ import annotations
 
 import warnings
@@ -25,8 +26,9 @@ STEPS = 3
 def lora_gpt2():
     """LoRA of rank 16 on the attention and MLP input projections: 18k trainable parameters of 131k. The MLP's
     lora_B (256x16 = 4096 elements) gets 8-bit state, the other adapters fp32 state."""
-    config = peft.LoraConfig(r=16, lora_alpha=32, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True,
-                             lora_dropout=0.0)
+    config = peft.LoraConfig(
+        r=16, lora_alpha=32, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True, lora_dropout=0.0
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=FutureWarning)
         return peft.get_peft_model(tiny_gpt2(), config)

@@ -1,6 +1,7 @@
 """transformers' Trainer with our optimizer: built by the Trainer from ``optimizer_cls_and_kwargs`` (with its own
 decay/no-decay groups) or handed over ready-made, under gradient accumulation, gradient clipping and bf16
 autocast, and resumed from its checkpoints as exactly as torch.optim.AdamW is."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,12 @@ pytest.importorskip("accelerate")  # the Trainer runs on it
 
 import transformers  # noqa: E402
 from tiny_training import (  # noqa: E402
-    QUANTIZED_DRIFT, TokenDataset, assert_resumes_as_closely_as_torch, max_abs_diff, relative_distance, snapshot,
+    QUANTIZED_DRIFT,
+    TokenDataset,
+    assert_resumes_as_closely_as_torch,
+    max_abs_diff,
+    relative_distance,
+    snapshot,
     tiny_gpt2,
 )
 
@@ -34,18 +40,32 @@ SAME_ARITHMETIC = 1e-5
 
 
 def training_args(output_dir, **overrides) -> transformers.TrainingArguments:
-    kwargs = dict(output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=LR,
-                  weight_decay=0.1, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-                  dataloader_num_workers=0, disable_tqdm=True, seed=0)
+    kwargs = dict(
+        output_dir=str(output_dir),
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=LR,
+        weight_decay=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
+    )
     kwargs.update(overrides)
     return transformers.TrainingArguments(**kwargs)
 
 
 def train(output_dir, optimizer_cls, optimizer_kwargs, resume=None, **args):
     """A Trainer that builds ``optimizer_cls(its_param_groups, **optimizer_kwargs)`` itself, after training."""
-    trainer = transformers.Trainer(model=tiny_gpt2(), args=training_args(output_dir, **args),
-                                   train_dataset=TokenDataset(),
-                                   optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs))
+    trainer = transformers.Trainer(
+        model=tiny_gpt2(),
+        args=training_args(output_dir, **args),
+        train_dataset=TokenDataset(),
+        optimizer_cls_and_kwargs=(optimizer_cls, optimizer_kwargs),
+    )
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 
@@ -115,8 +135,9 @@ def test_trainer_takes_the_optimizer_and_scheduler_it_is_given(tmp_path):
     groups = torchao_optim.overrides(model, {"*.wpe.*": "none"})
     opt = torchao_optim.AdamW8bit(groups, lr=LR, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=2 * STEPS)
-    trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=TokenDataset(),
-                                   optimizers=(opt, scheduler))
+    trainer = transformers.Trainer(
+        model=model, args=training_args(tmp_path), train_dataset=TokenDataset(), optimizers=(opt, scheduler)
+    )
     trainer.train()
 
     assert unwrapped(trainer) is opt
@@ -171,7 +192,8 @@ def test_trainer_checkpoints_convert_between_torch_and_ours(tmp_path, interrupte
     to_torch = train(tmp_path / "to_torch", torch.optim.AdamW, {"lr": LR}, resume=converted, max_steps=2 * STEPS)
     assert relative_distance(snapshot(to_torch.model), ours_final, start) < QUANTIZED_DRIFT
 
-    to_ours = train(tmp_path / "to_ours", torchao_optim.AdamW8bit, {"lr": LR}, resume=torch_checkpoint,
-                    max_steps=2 * STEPS)
+    to_ours = train(
+        tmp_path / "to_ours", torchao_optim.AdamW8bit, {"lr": LR}, resume=torch_checkpoint, max_steps=2 * STEPS
+    )
     assert isinstance(unwrapped(to_ours).state[to_ours.model.transformer.wte.weight]["exp_avg"], DTQ8bitTensor)
     assert relative_distance(snapshot(to_ours.model), torch_final, start) < QUANTIZED_DRIFT

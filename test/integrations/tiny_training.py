@@ -4,9 +4,8 @@ synthetic data, and the comparisons between two trained models.
 Sizes are chosen so that both kinds of state occur: a tensor of at least ``min_quant_size`` (4096) elements
 gets 8-bit state, a smaller one fp32 state.
 """
-from __future__ import annotations
 
-from typing import Dict
+from __future__ import annotations
 
 import torch
 
@@ -36,8 +35,9 @@ def tiny_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64,
-                        bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -51,7 +51,7 @@ class TokenDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def __getitem__(self, i: int) -> Dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.tokens[i], "labels": self.tokens[i]}
 
 
@@ -68,16 +68,16 @@ def regression_batch(seed: int, size: int = 8):
     return torch.randn(size, 64, generator=gen), torch.randn(size, 8, generator=gen)
 
 
-def snapshot(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 
-def max_abs_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-def relative_distance(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], start: Dict[str, torch.Tensor]) -> float:
+def relative_distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], start: dict[str, torch.Tensor]) -> float:
     """||a - b|| / ||b - start|| over all parameters: how far ``a`` ended from ``b``, in units of how far ``b``
     travelled from ``start``."""
     apart = sum((a[k].float() - b[k].float()).square().sum() for k in b).sqrt()
@@ -88,4 +88,5 @@ def relative_distance(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], st
 def assert_resumes_as_closely_as_torch(ours: float, torchs: float) -> None:
     """``ours``/``torchs``: max abs difference between a resumed and an uninterrupted run (see RESUME_FLOOR)."""
     assert ours <= max(2 * torchs, RESUME_FLOOR), (
-        f"resuming moved our run {ours:.3g} away from the uninterrupted one; torch.optim.AdamW's moved {torchs:.3g}")
+        f"resuming moved our run {ours:.3g} away from the uninterrupted one; torch.optim.AdamW's moved {torchs:.3g}"
+    )

@@ -2,6 +2,7 @@
 
 Leaves of the package: they know state layouts and update rules as data (:mod:`torchao_optim.rules`), never an
 optimizer or a format class."""
+
 import os
 
 

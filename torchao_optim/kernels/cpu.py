@@ -12,6 +12,7 @@ built libraries are cached: a failed build is tried again by the next process.
 Where no compiler works, :func:`cpu_kernels` returns None (with one warning saying why) and the optimizers use
 the compiled path, as they do for everything this file does not cover.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -24,7 +25,6 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -34,8 +34,16 @@ SOURCE = Path(__file__).with_name("cpu_step.c")
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
 # -fno-math-errno: sqrtf may become a vector instruction; -fno-trapping-math: the update's selects may become
 # vector blends where there are no mask registers (AVX2). Neither changes a result, only errno and FP flags.
-FLAGS = ["-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-ffp-contract=off", "-fno-math-errno",
-         "-fno-trapping-math"]
+FLAGS = [
+    "-O3",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+]
 NATIVE = ["-march=native"]
 # GCC's tuning for recent x86 CPUs turns vector gathers off and loads table entries one lane at a time; the
 # decode and the encoder are table loads, and measured 1.7x faster with gathers (GCC only: tried first).
@@ -44,7 +52,7 @@ CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 KINDS = {"fp32": 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c: plain fp32, or codes of 4 or 8 bits
 
 
-def _compiler() -> Optional[str]:
+def _compiler() -> str | None:
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return shutil.which(name)
@@ -80,8 +88,9 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     errors = []
     for extra in (NATIVE + GATHER, NATIVE, []):  # the first set the compiler takes
-        digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(),
-                                            _cpu_signature().encode()])).hexdigest()[:16]
+        digest = hashlib.sha256(
+            b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(), _cpu_signature().encode()])
+        ).hexdigest()[:16]
         target = _cache_dir() / f"cpu_step_{digest}.so"
         if target.exists():
             return target
@@ -91,8 +100,9 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".tmp", dir=target.parent)
         os.close(fd)
         try:
-            run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True,
-                                 text=True)
+            run = subprocess.run(
+                [compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+            )
             if run.returncode == 0:
                 os.replace(tmp, target)
                 return target
@@ -103,8 +113,8 @@ def _build(compiler: str) -> Path:
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
 
 
-@functools.lru_cache(maxsize=None)
-def cpu_kernels() -> Optional[ctypes.CDLL]:
+@functools.cache
+def cpu_kernels() -> ctypes.CDLL | None:
     """The loaded library, built on first call; None (after one warning) where it cannot be built."""
     compiler = _compiler()
     try:
@@ -112,8 +122,12 @@ def cpu_kernels() -> Optional[ctypes.CDLL]:
             raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        warnings.warn(f"torchao_optim: the fused CPU step could not be built ({err}); CPU parameters take the "
-                      f"compiled path (torch.compile), which is correct but slower", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"torchao_optim: the fused CPU step could not be built ({err}); CPU parameters take the "
+            f"compiled path (torch.compile), which is correct but slower",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -171,14 +185,20 @@ def cpu_rules() -> tuple:
     return () if lib is None else _rule_table(lib)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rule_table(lib: ctypes.CDLL) -> tuple:
     lib.torchao_optim_cpu_rule_name.restype = ctypes.c_char_p
     lib.torchao_optim_cpu_rule_name.argtypes = [ctypes.c_int]
     lib.torchao_optim_cpu_rule_states.argtypes = [ctypes.c_int]
     lib.torchao_optim_cpu_rule_coefs.argtypes = [ctypes.c_int]
-    return tuple((lib.torchao_optim_cpu_rule_name(i).decode(), lib.torchao_optim_cpu_rule_states(i),
-                  lib.torchao_optim_cpu_rule_coefs(i)) for i in range(lib.torchao_optim_cpu_rule_count()))
+    return tuple(
+        (
+            lib.torchao_optim_cpu_rule_name(i).decode(),
+            lib.torchao_optim_cpu_rule_states(i),
+            lib.torchao_optim_cpu_rule_coefs(i),
+        )
+        for i in range(lib.torchao_optim_cpu_rule_count())
+    )
 
 
 def cpu_rule(rule) -> int:
@@ -188,22 +208,29 @@ def cpu_rule(rule) -> int:
     return _rule_index(cpu_kernels(), rule)
 
 
-@functools.lru_cache(maxsize=None)
-def _rule_index(lib: Optional[ctypes.CDLL], rule) -> int:
+@functools.cache
+def _rule_index(lib: ctypes.CDLL | None, rule) -> int:
     table = _rule_table(lib) if lib is not None else ()
     names = [name for name, _, _ in table]
     if rule.c_name is None or rule.c_name not in names:
-        what = "declares no C function (FusedRule.c_name)" if rule.c_name is None else (
-            f"names the C function {rule.c_name!r}, which it lacks")
-        raise NotImplementedError(f"the fused CPU step implements the rules {names} ({SOURCE.name}, RULES); rule "
-                                  f"{rule.name!r} {what}: add its update there, or leave its parameters to the "
-                                  f"compiled path (fused=False)")
+        what = (
+            "declares no C function (FusedRule.c_name)"
+            if rule.c_name is None
+            else (f"names the C function {rule.c_name!r}, which it lacks")
+        )
+        raise NotImplementedError(
+            f"the fused CPU step implements the rules {names} ({SOURCE.name}, RULES); rule "
+            f"{rule.name!r} {what}: add its update there, or leave its parameters to the "
+            f"compiled path (fused=False)"
+        )
     index = names.index(rule.c_name)
     _, n_states, n_coefs = table[index]
     if (n_states, n_coefs) != (len(rule.state_keys), rule.n_coefs):
-        raise NotImplementedError(f"rule {rule.name!r} has {len(rule.state_keys)} states and {rule.n_coefs} "
-                                  f"coefficients, but the fused CPU step's {rule.c_name!r} takes {n_states} and "
-                                  f"{n_coefs}")
+        raise NotImplementedError(
+            f"rule {rule.name!r} has {len(rule.state_keys)} states and {rule.n_coefs} "
+            f"coefficients, but the fused CPU step's {rule.c_name!r} takes {n_states} and "
+            f"{n_coefs}"
+        )
     return index
 
 
@@ -217,6 +244,7 @@ def quantize_nearest_cpu(y: torch.Tensor, codebook, never_zero: bool = False, co
     level1, level2 = tables.level1_by_bits(), tables.level2_with_bounds()
     y = y.detach().to(torch.float32).contiguous()
     out = torch.empty(y.shape, dtype=torch.uint8)
-    cpu_kernels().torchao_optim_cpu_encode(y.data_ptr(), out.data_ptr(), y.numel(), level1.data_ptr(),
-                                           level2.data_ptr(), int(compact))
+    cpu_kernels().torchao_optim_cpu_encode(
+        y.data_ptr(), out.data_ptr(), y.numel(), level1.data_ptr(), level2.data_ptr(), int(compact)
+    )
     return out

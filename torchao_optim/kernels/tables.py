@@ -6,10 +6,10 @@ choice, made here: the Triton kernels decode 4-bit codes a byte at a time and ta
 (``FLAT``: one table load, two, or an even grid's arithmetic), the C step reads the two-level tables with bounds.
 The tables are built once per (codebook, device, executor) and kept.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Tuple
 
 import torch
 from torch import Tensor
@@ -27,16 +27,17 @@ __all__ = ["FLAT_MAX_BITS", "layout_tables", "decode_table", "flat_shift", "code
 FLAT_MAX_BITS = 7
 
 
-def layout_tables(layout, device, executor: str) -> Tuple[Tensor, ...]:
+def layout_tables(layout, device, executor: str) -> tuple[Tensor, ...]:
     """(decode values, level1, level2) of a layout's codebook on ``device``, in the form ``executor``'s kernels
     read; placeholders for fp32."""
     if layout == "fp32":
         return (placeholder(device),) * 3
-    return (decode_table(layout, device, executor),) + encoder_tables(layout.codebook, layout.never_zero, device,
-                                                                      executor, flat_shift(layout, executor))
+    return (decode_table(layout, device, executor),) + encoder_tables(
+        layout.codebook, layout.never_zero, device, executor, flat_shift(layout, executor)
+    )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def decode_table(layout, device, executor: str) -> Tensor:
     """The codebook as fp32, padded with zeros to ``2**bits`` values (a kernel may load the whole table at once,
     the fused CPU step's 4-bit decode does); the padding is never a code's value. The Triton kernels decode
@@ -67,8 +68,8 @@ def codebook_flat_shift(codebook, never_zero: bool, max_bits: int, grid: bool = 
     return 0 if one is None else one[1]
 
 
-@functools.lru_cache(maxsize=None)
-def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> Tuple[Tensor, Tensor]:
+@functools.cache
+def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int) -> tuple[Tensor, Tensor]:
     """The encoder's tables of a codebook in the form ``executor``'s kernels read: codec.BucketTables.level1_by_bits,
     and level2_keyed (Triton) or level2_with_bounds (the C step); with ``shift`` (:func:`flat_shift`), the one table
     of codec.flat_keyed, twice (the Triton kernels read the first); below 0 (an even grid's arithmetic encoder),
@@ -83,7 +84,7 @@ def encoder_tables(codebook, never_zero: bool, device, executor: str, shift: int
     return t.level1_by_bits().to(device), level2.to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def placeholder(device) -> Tensor:
     """A one-element fp32 tensor on ``device``: a table argument a kernel never reads (a plain state's)."""
     return torch.zeros(1, dtype=torch.float32, device=device)

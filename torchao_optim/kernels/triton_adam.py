@@ -17,6 +17,7 @@ called, with the rule's setting ``OPTION`` (Adam's: decoupled weight decay). The
 rule's, written before the launch (Adam's by ``rules.triton_updates.adam_coefs_kernel``, in one small launch).
 This module imports Triton; import it only where Triton is available.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,16 @@ def _pairs(base, start, BLOCK: tl.constexpr, VEC: tl.constexpr):
 
 
 @triton.jit
-def load_values(base, start, local, n_valid, DTYPE: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                WHOLE: tl.constexpr = False):
+def load_values(
+    base,
+    start,
+    local,
+    n_valid,
+    DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    WHOLE: tl.constexpr = False,
+):
     """A tile of a parameter or gradient of ``DTYPE`` as loaded (its first ``n_valid`` elements): elements, or for
     a whole tile (``WHOLE``) of bf16 values words of two, one per pair of the thread's own elements (element ``2i``
     in the low half): a word's halves become fp32 with a shift and a mask, where a bf16 element alone takes a
@@ -61,8 +70,21 @@ def as_fp32(raw, DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
 
 
 @triton.jit
-def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.constexpr, SR: tl.constexpr,
-                BLOCK: tl.constexpr = 0, VEC: tl.constexpr = 0, WHOLE: tl.constexpr = False, PTX: tl.constexpr = False):
+def store_param(
+    p_base,
+    start,
+    local,
+    n_valid,
+    p,
+    key,
+    offset,
+    PARAM_DTYPE: tl.constexpr,
+    SR: tl.constexpr,
+    BLOCK: tl.constexpr = 0,
+    VEC: tl.constexpr = 0,
+    WHOLE: tl.constexpr = False,
+    PTX: tl.constexpr = False,
+):
     """Write a tile's fp32 parameter values: rounded to nearest, or (``SR``, bf16 parameters) stochastically
     with ``key`` for elements ``offset + start + local`` of the whole parameter. Rounded to nearest, a whole
     tile of bf16 values is written in words of two, each one conversion (:func:`load_values`)."""
@@ -72,11 +94,13 @@ def store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE: tl.c
     elif WHOLE and PARAM_DTYPE == tl.bfloat16:
         lo, hi = tl.split(tl.reshape(p, (BLOCK // 2, 2)))
         if PTX:
-            word = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
-                                             is_pure=True, pack=1)
+            word = tl.inline_asm_elementwise(
+                "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32, is_pure=True, pack=1
+            )
         else:
-            word = ((lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
-                    | (hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16))
+            word = (lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (
+                hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+            )
         tl.store(_pairs(p_base, start, BLOCK, VEC), word, mask=whole_mask(n_valid, BLOCK // 2))
     else:
         tl.store(p_base + start + local, p.to(PARAM_DTYPE), mask=local < n_valid)
@@ -121,10 +145,28 @@ def _opaque(codes, QUANT: tl.constexpr, PTX: tl.constexpr):
 
 
 @triton.jit
-def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-               QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr, M_QUANT: tl.constexpr,
-               M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr, PTX: tl.constexpr,
-               PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
+def _load_tile(
+    p_base,
+    g_base,
+    mc,
+    ms,
+    vc,
+    vs,
+    blk,
+    local,
+    n_valid,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    M_QUANT: tl.constexpr,
+    M_BITS: tl.constexpr,
+    V_QUANT: tl.constexpr,
+    V_BITS: tl.constexpr,
+    PTX: tl.constexpr,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    WHOLE: tl.constexpr = False,
+):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scales (or fp32 values). ``WHOLE``: ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
     start = blk * BLOCK
@@ -139,18 +181,57 @@ def _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
 def _load_coefs(c):
     """A tensor's row of coefficients, loaded once per program (a load in the tile loop is issued every tile:
     the compiler cannot move it past the loop's stores)."""
-    return (tl.load(c + 0), tl.load(c + 1), tl.load(c + 2), tl.load(c + 3), tl.load(c + 4), tl.load(c + 5),
-            tl.load(c + 6))
+    return (
+        tl.load(c + 0),
+        tl.load(c + 1),
+        tl.load(c + 2),
+        tl.load(c + 3),
+        tl.load(c + 4),
+        tl.load(c + 5),
+        tl.load(c + 6),
+    )
 
 
 @triton.jit
-def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, offset,
-                 m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                 PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                 VEC: tl.constexpr, UPDATE: tl.constexpr, OPTION: tl.constexpr, MAXIMIZE: tl.constexpr,
-                 PTX: tl.constexpr, SR: tl.constexpr, M_QUANT: tl.constexpr, M_BITS: tl.constexpr,
-                 V_QUANT: tl.constexpr, V_BITS: tl.constexpr, M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,
-                 M_FLAT: tl.constexpr, V_FLAT: tl.constexpr, WHOLE: tl.constexpr = False):
+def _update_tile(
+    tile,
+    p_base,
+    mc,
+    ms,
+    vc,
+    vs,
+    blk,
+    local,
+    n_valid,
+    coefs,
+    key,
+    offset,
+    m_values,
+    m_level1,
+    m_level2,
+    v_values,
+    v_level1,
+    v_level2,
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    UPDATE: tl.constexpr,
+    OPTION: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PTX: tl.constexpr,
+    SR: tl.constexpr,
+    M_QUANT: tl.constexpr,
+    M_BITS: tl.constexpr,
+    V_QUANT: tl.constexpr,
+    V_BITS: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    V_SIGNED: tl.constexpr,
+    M_FLAT: tl.constexpr,
+    V_FLAT: tl.constexpr,
+    WHOLE: tl.constexpr = False,
+):
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
     coefficients (:func:`_load_coefs`)."""
     p, g, m_raw, m_scale, v_raw, v_scale = tile
@@ -165,10 +246,46 @@ def _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, coefs, key, 
     p, m, v = UPDATE(p, g, m, v, coefs, OPTION, PTX)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
-    store_state(m, mc, ms, start, blk, local, n_valid, m_level1, m_level2, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC,
-                PTX, M_SIGNED, M_FLAT, WHOLE)
-    store_state(v, vc, vs, start, blk, local, n_valid, v_level1, v_level2, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC,
-                PTX, V_SIGNED, V_FLAT, WHOLE)
+    store_state(
+        m,
+        mc,
+        ms,
+        start,
+        blk,
+        local,
+        n_valid,
+        m_level1,
+        m_level2,
+        M_QUANT,
+        M_BITS,
+        QBLOCK,
+        BLOCK,
+        VEC,
+        PTX,
+        M_SIGNED,
+        M_FLAT,
+        WHOLE,
+    )
+    store_state(
+        v,
+        vc,
+        vs,
+        start,
+        blk,
+        local,
+        n_valid,
+        v_level1,
+        v_level2,
+        V_QUANT,
+        V_BITS,
+        QBLOCK,
+        BLOCK,
+        VEC,
+        PTX,
+        V_SIGNED,
+        V_FLAT,
+        WHOLE,
+    )
 
 
 @triton.jit
@@ -182,16 +299,32 @@ def adam_kernel(
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, already advanced (by the rule's coefficients kernel)
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    m_values, m_level1, m_level2,  # exp_avg's decode table and encoder tables (kernels.tables.layout_tables)
-    v_values, v_level1, v_level2,  # exp_avg_sq's
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-    PREFETCH: tl.constexpr, ALIGNED: tl.constexpr,
+    m_values,
+    m_level1,
+    m_level2,  # exp_avg's decode table and encoder tables (kernels.tables.layout_tables)
+    v_values,
+    v_level1,
+    v_level2,  # exp_avg_sq's
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    ALIGNED: tl.constexpr,
     UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, m, v, coefs, OPTION, PTX)
     OPTION: tl.constexpr,  # the rule's one setting (FusedRule.option; Adam's: decoupled weight decay)
-    MAXIMIZE: tl.constexpr, PTX: tl.constexpr, SR: tl.constexpr,
-    M_QUANT: tl.constexpr, M_BITS: tl.constexpr, V_QUANT: tl.constexpr, V_BITS: tl.constexpr,
-    M_SIGNED: tl.constexpr, V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
-    M_FLAT: tl.constexpr = 0, V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (kernels.tables.flat_shift)
+    MAXIMIZE: tl.constexpr,
+    PTX: tl.constexpr,
+    SR: tl.constexpr,
+    M_QUANT: tl.constexpr,
+    M_BITS: tl.constexpr,
+    V_QUANT: tl.constexpr,
+    V_BITS: tl.constexpr,
+    M_SIGNED: tl.constexpr,
+    V_SIGNED: tl.constexpr,  # whether each codebook holds a negative value
+    M_FLAT: tl.constexpr = 0,
+    V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (kernels.tables.flat_shift)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
@@ -217,8 +350,28 @@ def adam_kernel(
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
-        nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, first, local, tl.where(n_full > 0, BLOCK, 0),
-                         QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
+        nxt = _load_tile(
+            p_base,
+            g_base,
+            mc,
+            ms,
+            vc,
+            vs,
+            first,
+            local,
+            tl.where(n_full > 0, BLOCK, 0),
+            QBLOCK,
+            BLOCK,
+            VEC,
+            M_QUANT,
+            M_BITS,
+            V_QUANT,
+            V_BITS,
+            PTX,
+            PARAM_DTYPE,
+            GRAD_DTYPE,
+            True,
+        )
     if PDL:
         gdc_wait()
     cf = _load_coefs(coefs + t * 7)
@@ -228,22 +381,150 @@ def adam_kernel(
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
-            nxt = _load_tile(p_base, g_base, mc, ms, vc, vs, blk + 1, local, more,
-                             QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
+            nxt = _load_tile(
+                p_base,
+                g_base,
+                mc,
+                ms,
+                vc,
+                vs,
+                blk + 1,
+                local,
+                more,
+                QBLOCK,
+                BLOCK,
+                VEC,
+                M_QUANT,
+                M_BITS,
+                V_QUANT,
+                V_BITS,
+                PTX,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                True,
+            )
         else:
-            tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, BLOCK,
-                              QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE, True)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, BLOCK, cf, key, offset,
-                     m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
-                     V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT, True)
+            tile = _load_tile(
+                p_base,
+                g_base,
+                mc,
+                ms,
+                vc,
+                vs,
+                blk,
+                local,
+                BLOCK,
+                QBLOCK,
+                BLOCK,
+                VEC,
+                M_QUANT,
+                M_BITS,
+                V_QUANT,
+                V_BITS,
+                PTX,
+                PARAM_DTYPE,
+                GRAD_DTYPE,
+                True,
+            )
+        _update_tile(
+            tile,
+            p_base,
+            mc,
+            ms,
+            vc,
+            vs,
+            blk,
+            local,
+            BLOCK,
+            cf,
+            key,
+            offset,
+            m_values,
+            m_level1,
+            m_level2,
+            v_values,
+            v_level1,
+            v_level2,
+            PARAM_DTYPE,
+            GRAD_DTYPE,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            UPDATE,
+            OPTION,
+            MAXIMIZE,
+            PTX,
+            SR,
+            M_QUANT,
+            M_BITS,
+            V_QUANT,
+            V_BITS,
+            M_SIGNED,
+            V_SIGNED,
+            M_FLAT,
+            V_FLAT,
+            True,
+        )
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
         n_valid = numel - blk * BLOCK
-        tile = _load_tile(p_base, g_base, mc, ms, vc, vs, blk, local, n_valid,
-                          QBLOCK, BLOCK, VEC, M_QUANT, M_BITS, V_QUANT, V_BITS, PTX, PARAM_DTYPE, GRAD_DTYPE)
-        _update_tile(tile, p_base, mc, ms, vc, vs, blk, local, n_valid, cf, key, offset,
-                     m_values, m_level1, m_level2, v_values, v_level1, v_level2,
-                     PARAM_DTYPE, GRAD_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, PTX, SR, M_QUANT, M_BITS,
-                     V_QUANT, V_BITS, M_SIGNED, V_SIGNED, M_FLAT, V_FLAT)
+        tile = _load_tile(
+            p_base,
+            g_base,
+            mc,
+            ms,
+            vc,
+            vs,
+            blk,
+            local,
+            n_valid,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            M_QUANT,
+            M_BITS,
+            V_QUANT,
+            V_BITS,
+            PTX,
+            PARAM_DTYPE,
+            GRAD_DTYPE,
+        )
+        _update_tile(
+            tile,
+            p_base,
+            mc,
+            ms,
+            vc,
+            vs,
+            blk,
+            local,
+            n_valid,
+            cf,
+            key,
+            offset,
+            m_values,
+            m_level1,
+            m_level2,
+            v_values,
+            v_level1,
+            v_level2,
+            PARAM_DTYPE,
+            GRAD_DTYPE,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            UPDATE,
+            OPTION,
+            MAXIMIZE,
+            PTX,
+            SR,
+            M_QUANT,
+            M_BITS,
+            V_QUANT,
+            V_BITS,
+            M_SIGNED,
+            V_SIGNED,
+            M_FLAT,
+            V_FLAT,
+        )

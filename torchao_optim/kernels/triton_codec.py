@@ -9,9 +9,8 @@ values. A tile is addressed by a scalar (its first element ``start`` and its blo
 the offsets inside the tile (compile-time constants per thread: no per-element 64-bit arithmetic).
 This module imports Triton; import it only where Triton is available.
 """
-from __future__ import annotations
 
-from typing import Optional
+from __future__ import annotations
 
 import triton
 import triton.language as tl
@@ -30,8 +29,9 @@ def encode_grid(y, FLAT: tl.constexpr, PTX: tl.constexpr):
     scale = tl.full((), (127 - FLAT) << 23, tl.int32).to(tl.float32, bitcast=True)  # 2**-FLAT
     t = y * scale - 1.5
     if PTX:
-        code = tl.inline_asm_elementwise("cvt.rpi.sat.u32.f32 $0, $1;", "=r,f", [t], dtype=tl.int32, is_pure=True,
-                                         pack=1)
+        code = tl.inline_asm_elementwise(
+            "cvt.rpi.sat.u32.f32 $0, $1;", "=r,f", [t], dtype=tl.int32, is_pure=True, pack=1
+        )
     else:
         code = tl.maximum(tl.math.ceil(t), 0.0).to(tl.int32)
     return code
@@ -92,7 +92,12 @@ def _top_bytes(words, PTX: tl.constexpr):
         return tl.inline_asm_elementwise(
             "{ .reg .b32 lo, hi; prmt.b32 lo, $1, $2, 0x7773; prmt.b32 hi, $3, $4, 0x7773; "
             "prmt.b32 $0, lo, hi, 0x5410; }",
-            "=r,r,r,r,r", [words], dtype=tl.uint8, is_pure=True, pack=4)
+            "=r,r,r,r,r",
+            [words],
+            dtype=tl.uint8,
+            is_pure=True,
+            pack=4,
+        )
     else:
         return (words.to(tl.uint32, bitcast=True) >> 24).to(tl.uint8)
 
@@ -128,9 +133,17 @@ def _pack_words(y, level1, level2, SIGNED: tl.constexpr, FLAT: tl.constexpr, PTX
         b0, b1 = tl.split(c1)
         if PTX:
             out = tl.inline_asm_elementwise(
-                "{ .reg .b32 l, h; prmt.b32 l, $1, $3, " + _SELECT[FLAT < 0] + "; prmt.b32 h, $2, $4, "
-                + _SELECT[FLAT < 0] + "; shl.b32 h, h, 4; add.u32 $0, l, h; }",
-                "=r,r,r,r,r", [a0, b0, a1, b1], dtype=tl.int32, is_pure=True, pack=1)
+                "{ .reg .b32 l, h; prmt.b32 l, $1, $3, "
+                + _SELECT[FLAT < 0]
+                + "; prmt.b32 h, $2, $4, "
+                + _SELECT[FLAT < 0]
+                + "; shl.b32 h, h, 4; add.u32 $0, l, h; }",
+                "=r,r,r,r,r",
+                [a0, b0, a1, b1],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
         else:
             out = _nibbles(a0, b0, FLAT) | (_nibbles(a1, b1, FLAT) << 8)
         return out.to(tl.uint16)
@@ -144,14 +157,29 @@ def _pack_words(y, level1, level2, SIGNED: tl.constexpr, FLAT: tl.constexpr, PTX
         b1, b3 = tl.split(c11)
         if PTX:
             out = tl.inline_asm_elementwise(
-                "{ .reg .b32 p, q, l, h; prmt.b32 p, $1, $3, " + _SELECT[FLAT < 0] + "; prmt.b32 q, $5, $7, "
-                + _SELECT[FLAT < 0] + "; prmt.b32 l, p, q, 0x5410; prmt.b32 p, $2, $4, " + _SELECT[FLAT < 0]
-                + "; prmt.b32 q, $6, $8, " + _SELECT[FLAT < 0] + "; prmt.b32 h, p, q, 0x5410; shl.b32 h, h, 4; "
+                "{ .reg .b32 p, q, l, h; prmt.b32 p, $1, $3, "
+                + _SELECT[FLAT < 0]
+                + "; prmt.b32 q, $5, $7, "
+                + _SELECT[FLAT < 0]
+                + "; prmt.b32 l, p, q, 0x5410; prmt.b32 p, $2, $4, "
+                + _SELECT[FLAT < 0]
+                + "; prmt.b32 q, $6, $8, "
+                + _SELECT[FLAT < 0]
+                + "; prmt.b32 h, p, q, 0x5410; shl.b32 h, h, 4; "
                 "add.u32 $0, l, h; }",
-                "=r,r,r,r,r,r,r,r,r", [a0, b0, a1, b1, a2, b2, a3, b3], dtype=tl.int32, is_pure=True, pack=1)
+                "=r,r,r,r,r,r,r,r,r",
+                [a0, b0, a1, b1, a2, b2, a3, b3],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
         else:
-            out = (_nibbles(a0, b0, FLAT) | (_nibbles(a1, b1, FLAT) << 8) | (_nibbles(a2, b2, FLAT) << 16)
-                   | (_nibbles(a3, b3, FLAT) << 24))
+            out = (
+                _nibbles(a0, b0, FLAT)
+                | (_nibbles(a1, b1, FLAT) << 8)
+                | (_nibbles(a2, b2, FLAT) << 16)
+                | (_nibbles(a3, b3, FLAT) << 24)
+            )
         return out.to(tl.uint32, bitcast=True)
 
 
@@ -223,9 +251,20 @@ def _decode_words(word, values, VEC: tl.constexpr):
 
 
 @triton.jit
-def load_codes(codes, scales, start, blk, local, n_valid,
-               QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-               WHOLE: tl.constexpr = False):
+def load_codes(
+    codes,
+    scales,
+    start,
+    blk,
+    local,
+    n_valid,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    WHOLE: tl.constexpr = False,
+):
     """The raw contents of one state on tile ``blk``: ``local`` (BLOCK,) offsets from element ``start``, of
     which the first ``n_valid`` exist; the tile holds ``BLOCK // QBLOCK`` quantization blocks. Returns (the code
     bytes as loaded, the blocks' scales: a scalar for one block, else one per block), or (fp32 values, 0.0)
@@ -258,8 +297,17 @@ def load_codes(codes, scales, start, blk, local, n_valid,
 
 
 @triton.jit
-def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr,
-               BLOCK: tl.constexpr, VEC: tl.constexpr = 0, WHOLE: tl.constexpr = False):
+def load_state(
+    raw,
+    scale,
+    values,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr = 0,
+    WHOLE: tl.constexpr = False,
+):
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
     elements' values: the low nibble's in the low word). ``VEC`` and ``WHOLE``: :func:`load_codes`'."""
@@ -281,10 +329,26 @@ def load_state(raw, scale, values, QUANT: tl.constexpr, BITS: tl.constexpr, QBLO
 
 
 @triton.jit
-def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
-                QUANT: tl.constexpr, BITS: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                VEC: tl.constexpr, PTX: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr = 0,
-                WHOLE: tl.constexpr = False):
+def store_state(
+    x,
+    codes,
+    scales,
+    start,
+    blk,
+    local,
+    n_valid,
+    level1,
+    level2,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    PTX: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FLAT: tl.constexpr = 0,
+    WHOLE: tl.constexpr = False,
+):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
@@ -310,18 +374,27 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
         # |y| <= 1 up to the rounding of 1 / absmax, and the tables' exponent-127 buckets, [1, 2), hold the
         # top code: no clamp needed
         if BITS == 8:
-            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start + local,
-                     _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT, PTX), PTX), mask=mask)
+            tl.store(
+                codes.to(tl.pointer_type(tl.uint8)) + start + local,
+                _top_bytes(encode_high(y, level1, level2, SIGNED, FLAT, PTX), PTX),
+                mask=mask,
+            )
         elif WHOLE:
-            tl.store(_code_words(codes, blk, BLOCK, VEC), _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
-                     mask=whole_mask(n_valid, BLOCK // VEC))
+            tl.store(
+                _code_words(codes, blk, BLOCK, VEC),
+                _pack_words(y, level1, level2, SIGNED, FLAT, PTX, VEC),
+                mask=whole_mask(n_valid, BLOCK // VEC),
+            )
         else:
             code = encode(y, level1, level2, SIGNED, FLAT, PTX)
             # past the end of the tensor, the odd element's high nibble is 0, as quant.pack_nibbles writes it
             lo, hi = tl.split(tl.reshape(tl.where(mask, code, 0), (BLOCK // 2, 2)))
             half = tile_offsets(BLOCK // 2, VEC // 2)
-            tl.store(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, (lo | (hi << 4)).to(tl.uint8),
-                     mask=2 * half < n_valid)
+            tl.store(
+                codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half,
+                (lo | (hi << 4)).to(tl.uint8),
+                mask=2 * half < n_valid,
+            )
         scales = scales.to(tl.pointer_type(tl.float32))
         if QBLOCK == BLOCK:
             tl.store(scales + blk, absmax)
@@ -334,16 +407,16 @@ def store_state(x, codes, scales, start, blk, local, n_valid, level1, level2,
 
 
 @triton.jit
-def _encode_kernel(y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr,
-                   PTX: tl.constexpr):
+def _encode_kernel(
+    y_ptr, out_ptr, n, level1, level2, BLOCK: tl.constexpr, SIGNED: tl.constexpr, FLAT: tl.constexpr, PTX: tl.constexpr
+):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
     tl.store(out_ptr + offs, encode(y, level1, level2, SIGNED, FLAT, PTX).to(tl.uint8), mask=mask)
 
 
-def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits: Optional[int] = None,
-                            grid: bool = True):
+def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits: int | None = None, grid: bool = True):
     """``torchao_optim.quant.quantize_nearest`` through the kernels' encoder (for tests): uint8 codes of ``y``
     (fp32 in [-1, 1], contiguous, on a device the kernels run on), specialized as the fused kernels are for the
     codebook's sign (``StateLayout.signed``) and its encoder's form: an even grid's arithmetic (unless not
@@ -355,11 +428,19 @@ def quantize_nearest_triton(y, codebook, never_zero: bool = False, flat_max_bits
     from torchao_optim.kernels.tables import FLAT_MAX_BITS, codebook_flat_shift, encoder_tables
 
     codebook = tuple(codebook)
-    shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits,
-                                grid)
+    shift = codebook_flat_shift(codebook, never_zero, FLAT_MAX_BITS if flat_max_bits is None else flat_max_bits, grid)
     level1, level2 = encoder_tables(codebook, never_zero, y.device, "triton", shift)
     out = torch.empty(y.shape, dtype=torch.uint8, device=y.device)
     block = 1 << 16
-    _encode_kernel[(triton.cdiv(y.numel(), block),)](y, out, y.numel(), level1, level2, BLOCK=block,
-                                                     SIGNED=min(codebook) < 0, FLAT=shift, PTX=not triton_interpreter())
+    _encode_kernel[(triton.cdiv(y.numel(), block),)](
+        y,
+        out,
+        y.numel(),
+        level1,
+        level2,
+        BLOCK=block,
+        SIGNED=min(codebook) < 0,
+        FLAT=shift,
+        PTX=not triton_interpreter(),
+    )
     return out

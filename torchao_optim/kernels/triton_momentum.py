@@ -13,6 +13,7 @@ where it is called, with the rule's setting ``OPTION`` (SGD's: nesterov) and the
 coefficients, read from a device table (a tensor lr needs no host sync). This module imports Triton; import it
 only where Triton is available.
 """
+
 from __future__ import annotations
 
 import triton
@@ -25,11 +26,36 @@ N_COEFS = 4  # the columns of a tensor's coefficient row this kernel reads (a ru
 
 
 @triton.jit
-def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offset, s_values, s_level1, s_level2,
-                   PARAM_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
-                   UPDATE: tl.constexpr, OPTION: tl.constexpr, MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-                   S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
-                   S_FLAT: tl.constexpr, GRAD_DTYPE: tl.constexpr, WHOLE: tl.constexpr = False):
+def _momentum_tile(
+    p_base,
+    g_base,
+    sc,
+    ss,
+    blk,
+    local,
+    n_valid,
+    coefs,
+    key,
+    offset,
+    s_values,
+    s_level1,
+    s_level2,
+    PARAM_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
+    UPDATE: tl.constexpr,
+    OPTION: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SR: tl.constexpr,
+    S_QUANT: tl.constexpr,
+    S_BITS: tl.constexpr,
+    PTX: tl.constexpr,
+    S_SIGNED: tl.constexpr,
+    S_FLAT: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    WHOLE: tl.constexpr = False,
+):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, the rule's arithmetic (``UPDATE`` with its
     ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile
     is whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words)."""
@@ -44,8 +70,26 @@ def _momentum_tile(p_base, g_base, sc, ss, blk, local, n_valid, coefs, key, offs
     p, s = UPDATE(p, g, s, coefs, OPTION, PTX)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
-    store_state(s, sc, ss, start, blk, local, n_valid, s_level1, s_level2, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC,
-                PTX, S_SIGNED, S_FLAT, WHOLE)
+    store_state(
+        s,
+        sc,
+        ss,
+        start,
+        blk,
+        local,
+        n_valid,
+        s_level1,
+        s_level2,
+        S_QUANT,
+        S_BITS,
+        QBLOCK,
+        BLOCK,
+        VEC,
+        PTX,
+        S_SIGNED,
+        S_FLAT,
+        WHOLE,
+    )
 
 
 @triton.jit
@@ -59,13 +103,23 @@ def momentum_kernel(
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
     steps,  # fp32 (n_tensors,): the step counts, already advanced
     round_info,  # int64 (n_tensors, 2): position in the optimizer, element offset (read with SR only)
-    s_values, s_level1, s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
-    PARAM_DTYPE: tl.constexpr, GRAD_DTYPE: tl.constexpr, QBLOCK: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr,
+    s_values,
+    s_level1,
+    s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    VEC: tl.constexpr,
     ALIGNED: tl.constexpr,
     UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, s, coefs, OPTION, PTX)
     OPTION: tl.constexpr,  # the rule's one setting (FusedRule.option; SGD's: nesterov)
-    MAXIMIZE: tl.constexpr, SR: tl.constexpr,
-    S_QUANT: tl.constexpr, S_BITS: tl.constexpr, PTX: tl.constexpr, S_SIGNED: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SR: tl.constexpr,
+    S_QUANT: tl.constexpr,
+    S_BITS: tl.constexpr,
+    PTX: tl.constexpr,
+    S_SIGNED: tl.constexpr,
     S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; kernels.tables.flat_shift)
 ):
     pid = tl.program_id(0)
@@ -87,11 +141,64 @@ def momentum_kernel(
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
-        _momentum_tile(p_base, g_base, sc, ss, first + i, local, BLOCK, cf, key, offset, s_values, s_level1,
-                       s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, SR, S_QUANT, S_BITS, PTX,
-                       S_SIGNED, S_FLAT, GRAD_DTYPE, True)
+        _momentum_tile(
+            p_base,
+            g_base,
+            sc,
+            ss,
+            first + i,
+            local,
+            BLOCK,
+            cf,
+            key,
+            offset,
+            s_values,
+            s_level1,
+            s_level2,
+            PARAM_DTYPE,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            UPDATE,
+            OPTION,
+            MAXIMIZE,
+            SR,
+            S_QUANT,
+            S_BITS,
+            PTX,
+            S_SIGNED,
+            S_FLAT,
+            GRAD_DTYPE,
+            True,
+        )
     if has_tail:
         blk = first + n_full
-        _momentum_tile(p_base, g_base, sc, ss, blk, local, numel - blk * BLOCK, cf, key, offset, s_values,
-                       s_level1, s_level2, PARAM_DTYPE, QBLOCK, BLOCK, VEC, UPDATE, OPTION, MAXIMIZE, SR, S_QUANT,
-                       S_BITS, PTX, S_SIGNED, S_FLAT, GRAD_DTYPE)
+        _momentum_tile(
+            p_base,
+            g_base,
+            sc,
+            ss,
+            blk,
+            local,
+            numel - blk * BLOCK,
+            cf,
+            key,
+            offset,
+            s_values,
+            s_level1,
+            s_level2,
+            PARAM_DTYPE,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            UPDATE,
+            OPTION,
+            MAXIMIZE,
+            SR,
+            S_QUANT,
+            S_BITS,
+            PTX,
+            S_SIGNED,
+            S_FLAT,
+            GRAD_DTYPE,
+        )

@@ -3,6 +3,7 @@
 The hash runs in uint32, whose products wrap modulo 2**32 to the values the torch version computes in int64
 with masks. This module imports Triton; import it only where Triton is available.
 """
+
 from __future__ import annotations
 
 import triton

@@ -1,22 +1,39 @@
 """Adam and AdamW with low-bit state: drop-in replacements for ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
+
 from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchao_optim.optim.base import (
-    LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
+    LowBitOptimizer,
+    as_float,
+    check_bool,
+    check_number,
+    check_storage,
+    flat_aliases,
+    number,
 )
 from torchao_optim.optim.sharded import is_dtensor, like_param
 from torchao_optim.rules import ADAM, adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState
 
-__all__ = ["Adam", "AdamW", "Adam8bit", "AdamW8bit", "AdamDTQ8bit", "Adam4bit", "AdamW4bit", "AdamFp8", "AdamWFp8",
-           "dequantize_state_dict"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "Adam8bit",
+    "AdamW8bit",
+    "AdamDTQ8bit",
+    "Adam4bit",
+    "AdamW4bit",
+    "AdamFp8",
+    "AdamWFp8",
+    "dequantize_state_dict",
+]
 
 
 _SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
@@ -29,8 +46,10 @@ def _check_hyperparams(lr, betas, eps, weight_decay, block_size=None, min_quant_
     if 0.0 < number("epsilon value", eps, tensor_ok=True) < _SMALLEST_NORMAL:
         # the fused CUDA kernel takes the reciprocal of the denominator flushing subnormals to zero (one
         # instruction; a subnormal-safe division takes six): a subnormal eps would turn 0 / eps into 0 * inf = NaN
-        raise ValueError(f"Invalid epsilon value: {eps!r} is positive but below float32's smallest normal "
-                         f"number, {_SMALLEST_NORMAL!r}: use 0 or a value at least that large")
+        raise ValueError(
+            f"Invalid epsilon value: {eps!r} is positive but below float32's smallest normal "
+            f"number, {_SMALLEST_NORMAL!r}: use 0 or a value at least that large"
+        )
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
     for i, beta in enumerate(betas):
@@ -44,8 +63,9 @@ def _normalize_group(group) -> None:
     (read once, as torch.optim's non-capturable paths do); a tensor lr stays a tensor, read every step."""
     for key in ("eps", "weight_decay"):
         as_float(group, key)
-    group["betas"] = tuple(b if isinstance(b, (int, float)) else number("beta", b, tensor_ok=True)
-                           for b in group["betas"])
+    group["betas"] = tuple(
+        b if isinstance(b, (int, float)) else number("beta", b, tensor_ok=True) for b in group["betas"]
+    )
     if not isinstance(group["lr"], (int, float, Tensor)):
         group["lr"] = number("lr", group["lr"])
     for key in ("amsgrad", "maximize", "decoupled_weight_decay"):
@@ -150,13 +170,28 @@ class Adam(LowBitOptimizer):
     ):
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
         defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-            decoupled_weight_decay=decoupled_weight_decay, state_format=state_format, block_size=block_size,
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            decoupled_weight_decay=decoupled_weight_decay,
+            state_format=state_format,
+            block_size=block_size,
             min_quant_size=min_quant_size,
         )
-        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable, bf16_stochastic_round=bf16_stochastic_round,
-                         offload_state=offload_state)
+        super().__init__(
+            params,
+            defaults,
+            compile=compile,
+            fused=fused,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            bf16_stochastic_round=bf16_stochastic_round,
+            offload_state=offload_state,
+        )
 
     def _check_hyperparams(self, group) -> None:
         _check_hyperparams(group["lr"], group["betas"], group["eps"], group["weight_decay"])
@@ -184,25 +219,68 @@ class Adam(LowBitOptimizer):
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         """One parameter on the compiled path, with its row of :func:`adam_coefficients`."""
         with flat_aliases(p, p.grad, [state.get(k) for k in self.STATE_KEYS]) as (p, grad, states):
-            self._update(p, grad, *states, coefs, decoupled_weight_decay=group["decoupled_weight_decay"],
-                         amsgrad=group["amsgrad"], maximize=group["maximize"], round_key=round_key)
+            self._update(
+                p,
+                grad,
+                *states,
+                coefs,
+                decoupled_weight_decay=group["decoupled_weight_decay"],
+                amsgrad=group["amsgrad"],
+                maximize=group["maximize"],
+                round_key=round_key,
+            )
 
 
 class AdamW(Adam):
     __doc__ = (
         "AdamW: :class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to "
-        "``1e-2``.\n" + re.sub(r"\n        decoupled_weight_decay \(bool, optional\):[^\n]*", "",
-                             Adam.__doc__.split("\n", 1)[1]).replace("Default: ``0``.", "Default: ``1e-2``.", 1))
+        "``1e-2``.\n"
+        + re.sub(
+            r"\n        decoupled_weight_decay \(bool, optional\):[^\n]*", "", Adam.__doc__.split("\n", 1)[1]
+        ).replace("Default: ``0``.", "Default: ``1e-2``.", 1)
+    )
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None,
-                 foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
-        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize,
-                         state_format=state_format, block_size=block_size, min_quant_size=min_quant_size,
-                         compile=compile, fused=fused, decoupled_weight_decay=True, foreach=foreach,
-                         capturable=capturable, differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=1e-2,
+        amsgrad=False,
+        *,
+        maximize=False,
+        state_format="dtq8",
+        block_size=None,
+        min_quant_size=4096,
+        compile=True,
+        fused=None,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        bf16_stochastic_round=False,
+        offload_state=False,
+    ):
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            amsgrad,
+            maximize=maximize,
+            state_format=state_format,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+            compile=compile,
+            fused=fused,
+            decoupled_weight_decay=True,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            bf16_stochastic_round=bf16_stochastic_round,
+            offload_state=offload_state,
+        )
 
 
 def with_state_format(base: type, name: str, state_format: str, what: str) -> type:
@@ -216,7 +294,8 @@ def with_state_format(base: type, name: str, state_format: str, what: str) -> ty
 
     signature = inspect.signature(base.__init__)
     __init__.__signature__ = signature.replace(
-        parameters=[v for k, v in signature.parameters.items() if k != "state_format"])
+        parameters=[v for k, v in signature.parameters.items() if k != "state_format"]
+    )
     # base's docstring, its first line and its state_format argument replaced
     body = (base.__doc__ or "").split("\n", 1)[1] if "\n" in (base.__doc__ or "") else ""
     body = re.sub(r"\n        state_format \(str, optional\):.*?(?=\n        \w+ \()", "", body, flags=re.S)
@@ -233,7 +312,7 @@ AdamFp8 = with_state_format(Adam, "AdamFp8", "fp8", "8-bit float state (blocks o
 AdamWFp8 = with_state_format(AdamW, "AdamWFp8", "fp8", "8-bit float state (blocks of 256)")
 
 
-def dequantize_state_dict(state_dict: Dict[str, Any]) -> Dict[str, Any]:
+def dequantize_state_dict(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of an optimizer ``state_dict`` with every quantized state dequantized to fp32, loadable by
     ``torch.optim.Adam``/``AdamW`` (our private group keys are dropped); a DTensor state (FSDP2) stays a DTensor
     laid out the same way, over its dequantized local shard."""

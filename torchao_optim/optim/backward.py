@@ -13,9 +13,10 @@ groups' ``lr``, which each parameter's step reads). Anything that needs every gr
 refused: gradient clipping by the global norm, gradient accumulation over several backward passes (each
 backward steps), and ``torch.amp.GradScaler``'s skipped steps. ``handle.remove()`` puts the optimizer back.
 """
+
 from __future__ import annotations
 
-from typing import Iterable, List, Union
+from collections.abc import Iterable
 
 import torch
 
@@ -27,7 +28,7 @@ __all__ = ["step_in_backward", "StepInBackward"]
 class StepInBackward:
     """What :func:`step_in_backward` returns: ``remove()`` unregisters the hooks and restores ``step()``."""
 
-    def __init__(self, optimizer: LowBitOptimizer, handles: List):
+    def __init__(self, optimizer: LowBitOptimizer, handles: list):
         self.optimizer, self._handles = optimizer, handles
 
     def remove(self) -> None:
@@ -40,19 +41,24 @@ class StepInBackward:
         self.optimizer._with_grad.clear()
 
 
-def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], optimizer: LowBitOptimizer,
-                     max_grad_norm=None) -> StepInBackward:
+def step_in_backward(
+    model: torch.nn.Module | Iterable[torch.Tensor], optimizer: LowBitOptimizer, max_grad_norm=None
+) -> StepInBackward:
     """Update each of ``optimizer``'s parameters as soon as backward has accumulated its gradient, then free
     the gradient (see the module docstring). ``model`` is the module (or the parameters) being trained: every
     parameter of the optimizer must be among them. ``max_grad_norm`` exists to be refused: clipping by the
     global norm needs every gradient before any step."""
     if max_grad_norm is not None:
-        raise ValueError(f"step_in_backward: max_grad_norm={max_grad_norm!r} cannot be honoured: clipping by the "
-                         f"global gradient norm needs every gradient before the first parameter steps, and here "
-                         f"each parameter steps (and frees its gradient) as soon as its gradient is ready")
+        raise ValueError(
+            f"step_in_backward: max_grad_norm={max_grad_norm!r} cannot be honoured: clipping by the "
+            f"global gradient norm needs every gradient before the first parameter steps, and here "
+            f"each parameter steps (and frees its gradient) as soon as its gradient is ready"
+        )
     if not isinstance(optimizer, LowBitOptimizer):
-        raise TypeError(f"step_in_backward takes one of torchao_optim's optimizers (AdamW8bit, SGD8bit, ...), "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"step_in_backward takes one of torchao_optim's optimizers (AdamW8bit, SGD8bit, ...), "
+            f"got {type(optimizer).__name__}"
+        )
     if optimizer._in_backward is not None:
         raise RuntimeError("step_in_backward: this optimizer already steps in backward")
     params = list(model.parameters()) if isinstance(model, torch.nn.Module) else list(model)
@@ -60,8 +66,10 @@ def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], opti
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in known:
-                raise ValueError(f"step_in_backward: the optimizer holds a parameter of shape {tuple(p.shape)} that "
-                                 f"is not among the model's parameters")
+                raise ValueError(
+                    f"step_in_backward: the optimizer holds a parameter of shape {tuple(p.shape)} that "
+                    f"is not among the model's parameters"
+                )
 
     def hook(p: torch.Tensor) -> None:
         if p.grad is None:
@@ -72,6 +80,10 @@ def step_in_backward(model: Union[torch.nn.Module, Iterable[torch.Tensor]], opti
     optimizer._in_backward = {}
     optimizer._plans.clear()
     optimizer._graphs.clear()
-    handles = [p.register_post_accumulate_grad_hook(hook)
-               for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    handles = [
+        p.register_post_accumulate_grad_hook(hook)
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if p.requires_grad
+    ]
     return StepInBackward(optimizer, handles)

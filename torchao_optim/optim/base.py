@@ -7,6 +7,7 @@ plan covers it (``optim/fused.py``) and every other parameter down the per-param
 its hyperparameters, turns them into per-step coefficients (one row per parameter, float64, the one form both
 executors read) and updates one parameter on the compiled path; everything else is here.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -14,24 +15,29 @@ import functools
 import numbers
 import operator
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from torchao_optim.kernels.cpu import cpu_kernels_available
+from torchao_optim.optim import offload, replay, traced
 from torchao_optim.optim.checkpoint import check_usable, checked_moment, checked_state, checked_step
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.fused import _GRAD, FusedRule, check_state_shapes, fused_available, plan_group
-from torchao_optim.optim import offload
 from torchao_optim.optim.offload import Slots, plan_offloaded, state_nbytes
-from torchao_optim.optim import replay, traced
 from torchao_optim.optim.replay import Steady, StepGraph
-from torchao_optim.quant.rounding import rounding_key
-from torchao_optim.optim.snapshot import StateSnapshot, same_objects
 from torchao_optim.optim.sharded import (
-    element_offset, is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size,
+    element_offset,
+    is_dtensor,
+    like_param,
+    local,
+    quantizable_sharding,
+    row_aligned_block_size,
 )
+from torchao_optim.optim.snapshot import StateSnapshot, same_objects
+from torchao_optim.quant.rounding import rounding_key
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
@@ -46,15 +52,17 @@ def number(name, value, tensor_ok=False):
     tensor; anything else is a ValueError naming it."""
     if isinstance(value, Tensor):
         if not tensor_ok or value.numel() != 1 or value.is_complex():
-            raise ValueError(f"Invalid {name}: a tensor {name} must be real with exactly one element, got "
-                             f"shape {tuple(value.shape)} and dtype {value.dtype}")
+            raise ValueError(
+                f"Invalid {name}: a tensor {name} must be real with exactly one element, got "
+                f"shape {tuple(value.shape)} and dtype {value.dtype}"
+            )
         return float(value.detach().reshape(()).cpu())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"Invalid {name}: {value!r} (a real number)")
     return float(value)
 
 
-def check_number(name: str, value, low: float = 0.0, high: Optional[float] = None, tensor_ok=True) -> None:
+def check_number(name: str, value, low: float = 0.0, high: float | None = None, tensor_ok=True) -> None:
     """ValueError naming ``name`` unless ``low <= value`` (and ``value < high``)."""
     x = number(name, value, tensor_ok=tensor_ok)
     if not (x >= low and (high is None or x < high)):
@@ -62,8 +70,7 @@ def check_number(name: str, value, low: float = 0.0, high: Optional[float] = Non
 
 
 def check_storage(block_size, min_quant_size) -> None:
-    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool)
-                                   or block_size <= 0):
+    if block_size is not None and (not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0):
         raise ValueError(f"Invalid block_size: {block_size!r} (a positive int, or None for the format's default)")
     if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
@@ -84,15 +91,17 @@ def check_bool(group, key: str) -> None:
 def check_unique(group) -> None:
     """ValueError naming a parameter that ``group`` lists more than once (its positions, name and shape): it would
     be stepped twice per step, and on the fused path by two threads at once, racing on its state."""
-    first: Dict[int, int] = {}
+    first: dict[int, int] = {}
     for i, p in enumerate(group["params"]):
         if first.setdefault(id(p), i) != i:
             positions = [j for j, q in enumerate(group["params"]) if q is p]
             names = group.get("param_names")
             name = f" ({names[positions[0]]!r})" if names and len(names) > positions[0] else ""
-            raise ValueError(f"the parameter{name} of shape {tuple(p.shape)} is listed {len(positions)} times, at "
-                             f"positions {positions}, so each step would update it {len(positions)} times: list "
-                             f"each parameter once")
+            raise ValueError(
+                f"the parameter{name} of shape {tuple(p.shape)} is listed {len(positions)} times, at "
+                f"positions {positions}, so each step would update it {len(positions)} times: list "
+                f"each parameter once"
+            )
 
 
 def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) -> None:
@@ -107,14 +116,18 @@ def check_torch_keywords(name: str, foreach, capturable, differentiable, fused) 
     if not isinstance(capturable, bool) or not isinstance(differentiable, bool):
         raise ValueError(f"Invalid capturable or differentiable: {capturable!r}, {differentiable!r} (True or False)")
     if differentiable:
-        raise ValueError(f"{name}(differentiable=True) is not supported: the step requantizes its state, which "
-                         f"autograd cannot differentiate; use the torch.optim optimizer with differentiable=True")
+        raise ValueError(
+            f"{name}(differentiable=True) is not supported: the step requantizes its state, which "
+            f"autograd cannot differentiate; use the torch.optim optimizer with differentiable=True"
+        )
     if capturable:
         if fused is False:
             raise ValueError(f"{name}(capturable=True) needs the fused CUDA path, which fused=False turns off")
         if not fused_available("cuda"):
-            raise ValueError(f"{name}(capturable=True) needs the fused CUDA path (Triton and a CUDA device): only "
-                             f"its step can be captured in a CUDA graph")
+            raise ValueError(
+                f"{name}(capturable=True) needs the fused CUDA path (Triton and a CUDA device): only "
+                f"its step can be captured in a CUDA graph"
+            )
 
 
 def check_offload(name: str, offload_state, fused, capturable) -> None:
@@ -124,15 +137,20 @@ def check_offload(name: str, offload_state, fused, capturable) -> None:
     if not offload_state:
         return
     if fused is False:
-        raise ValueError(f"{name}(offload_state=True) streams the state through the fused CUDA path, which "
-                         f"fused=False turns off")
+        raise ValueError(
+            f"{name}(offload_state=True) streams the state through the fused CUDA path, which fused=False turns off"
+        )
     if capturable:
-        raise ValueError(f"{name}(offload_state=True, capturable=True) is not supported: the offloaded step "
-                         f"orders its copies with events on side streams, which a CUDA graph of the step would "
-                         f"freeze; choose one")
+        raise ValueError(
+            f"{name}(offload_state=True, capturable=True) is not supported: the offloaded step "
+            f"orders its copies with events on side streams, which a CUDA graph of the step would "
+            f"freeze; choose one"
+        )
     if not fused_available("cuda") and not (fused and fused_available("cpu")):
-        raise ValueError(f"{name}(offload_state=True) needs the fused CUDA path (Triton and a CUDA device): the "
-                         f"state is streamed through the GPU's fused kernels")
+        raise ValueError(
+            f"{name}(offload_state=True) needs the fused CUDA path (Triton and a CUDA device): the "
+            f"state is streamed through the GPU's fused kernels"
+        )
 
 
 def alias(t: Tensor, shape) -> Tensor:
@@ -161,7 +179,7 @@ def step_shape(p: Tensor, states) -> tuple:
 
 
 @contextlib.contextmanager
-def flat_aliases(p: Optional[Tensor], grad: Tensor, states: Sequence[Optional[Tensor]]):
+def flat_aliases(p: Tensor | None, grad: Tensor, states: Sequence[Tensor | None]):
     """Within: ``(p, grad, states)`` as the compiled update takes them, contiguous and aliased to
     :func:`step_shape`, so that every parameter, whatever its shape, reuses one compiled graph. DTensors (FSDP2)
     are replaced by their local shards: the update is elementwise, and every rank holds whole blocks.
@@ -198,17 +216,27 @@ class LowBitOptimizer(torch.optim.Optimizer):
     ``_step_one(p, state, group, coefs)``; ``_fused_rule(group)`` where a fused kernel implements its rule."""
 
     _quantized_state_native = True  # quantize_optimizer_state refuses it: choose the format with state_format=
-    STATE_KEYS: Tuple[str, ...] = ()  # every state key the optimizer may create (besides "step")
-    UNSIGNED_STATE_KEYS: Tuple[str, ...] = ()  # the ones that never hold a negative value
-    REQUIRED_GROUP_KEYS: Tuple[str, ...] = ("params", "lr")  # what a loadable state_dict's groups hold
+    STATE_KEYS: tuple[str, ...] = ()  # every state key the optimizer may create (besides "step")
+    UNSIGNED_STATE_KEYS: tuple[str, ...] = ()  # the ones that never hold a negative value
+    REQUIRED_GROUP_KEYS: tuple[str, ...] = ("params", "lr")  # what a loadable state_dict's groups hold
     # kept from the optimizer when a state_dict is loaded (how states are stored and params rounded)
-    STORAGE_KEYS: Tuple[str, ...] = ("state_format", "block_size", "min_quant_size", "bf16_stochastic_round")
+    STORAGE_KEYS: tuple[str, ...] = ("state_format", "block_size", "min_quant_size", "bf16_stochastic_round")
     STEP_OPTIONAL = False  # torch.optim's form of the state has no "step" (SGD, Muon): a loaded one counts 1
     update_fn = None  # the compiled path's rule
 
-    def __init__(self, params, defaults: Dict[str, Any], *, compile: bool, fused: Optional[bool], foreach=None,
-                 capturable: bool = False, differentiable: bool = False, bf16_stochastic_round: bool = False,
-                 offload_state: bool = False):
+    def __init__(
+        self,
+        params,
+        defaults: dict[str, Any],
+        *,
+        compile: bool,
+        fused: bool | None,
+        foreach=None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        bf16_stochastic_round: bool = False,
+        offload_state: bool = False,
+    ):
         name = type(self).__name__
         defaults = dict(defaults, bf16_stochastic_round=bf16_stochastic_round)
         check_storage(defaults["block_size"], defaults["min_quant_size"])
@@ -216,32 +244,35 @@ class LowBitOptimizer(torch.optim.Optimizer):
             get_state_format(defaults["state_format"])  # raises ValueError naming the registered formats
         check_torch_keywords(name, foreach, capturable, differentiable, fused)
         if fused and not (fused_available() or cpu_kernels_available()):
-            raise RuntimeError("fused=True needs Triton and a CUDA device, or a C compiler for the fused CPU step "
-                               "(see the warning above)")
+            raise RuntimeError(
+                "fused=True needs Triton and a CUDA device, or a C compiler for the fused CPU step "
+                "(see the warning above)"
+            )
         check_offload(name, offload_state, fused, capturable)
         self._setup(compile, fused, foreach, capturable, offload_state)
         super().__init__(params, defaults)
 
-    def _setup(self, compile: bool, fused: Optional[bool], foreach=None, capturable: bool = False,
-               offload_state: bool = False) -> None:
+    def _setup(
+        self, compile: bool, fused: bool | None, foreach=None, capturable: bool = False, offload_state: bool = False
+    ) -> None:
         """What the optimizer builds for itself rather than saves: the compiled update, caches, the path."""
         self._compile, self._fused_option = bool(compile), fused
         self._foreach, self._capturable, self._offload_state = foreach, capturable, offload_state
-        self._slots: Optional[Slots] = None  # offload_state: the GPU window chunks of state run in
+        self._slots: Slots | None = None  # offload_state: the GPU window chunks of state run in
         # stepping in backward with offload_state: which parameter's hook ran after which, last time
-        self._next_in_backward: Dict[int, int] = {}
-        self._last_stepped: Optional[int] = None
+        self._next_in_backward: dict[int, int] = {}
+        self._last_stepped: int | None = None
         self._update = CompiledOrEager(type(self).update_fn, enabled=self._compile)
-        self._hp_tensors: Dict[tuple, tuple] = {}
-        self._plans: Dict[int, dict] = {}
-        self._graphs: Dict[int, StepGraph] = {}  # id(group) -> its step's CUDA graph (optim/replay.py)
-        self._grad_addresses: Dict[int, tuple] = {}  # id(group) -> (its params with grads, their grads' addresses)
-        self._replayable: Dict[int, tuple] = {}  # id(group) -> (its params with grads, the device a graph may use)
-        self._round_info: Dict[tuple, tuple] = {}  # (param ids, device) -> (params, their rounding rows there)
-        self._with_grad: Dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
-        self._positions: Dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
-        self._in_backward: Optional[Dict[int, tuple]] = None  # step_in_backward: id(param) -> (its list, plans)
-        self._group_map: Optional[tuple] = None  # (the groups, id(param) -> its group): see _group_of
+        self._hp_tensors: dict[tuple, tuple] = {}
+        self._plans: dict[int, dict] = {}
+        self._graphs: dict[int, StepGraph] = {}  # id(group) -> its step's CUDA graph (optim/replay.py)
+        self._grad_addresses: dict[int, tuple] = {}  # id(group) -> (its params with grads, their grads' addresses)
+        self._replayable: dict[int, tuple] = {}  # id(group) -> (its params with grads, the device a graph may use)
+        self._round_info: dict[tuple, tuple] = {}  # (param ids, device) -> (params, their rounding rows there)
+        self._with_grad: dict[int, tuple] = {}  # id(group) -> (which params have grads, params, states)
+        self._positions: dict[int, int] = {}  # id(param) -> its position in the optimizer (stochastic rounding)
+        self._in_backward: dict[int, tuple] | None = None  # step_in_backward: id(param) -> (its list, plans)
+        self._group_map: tuple | None = None  # (the groups, id(param) -> its group): see _group_of
         # None or True: fused wherever a fused kernel runs (CUDA: Triton's; CPU: kernels.cpu's C); True also
         # selects Triton's interpreter for CPU parameters when TRITON_INTERPRET=1 is set (testing the Triton kernels)
         self._fused = fused is not False
@@ -249,15 +280,20 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._key = traced.register(self)  # how a compiled step's operator finds this optimizer (optim/traced.py)
 
     # ---- copies: copy.deepcopy, pickle, torch.save(optimizer) -------------------------------------------
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         # The compiled update and the caches are rebuilt by the copy; only how to build them is saved.
         self._wait_offloaded()
         state = super().__getstate__()
-        state["options"] = {"compile": self._compile, "fused": self._fused_option, "foreach": self._foreach,
-                            "capturable": self._capturable, "offload_state": self._offload_state}
+        state["options"] = {
+            "compile": self._compile,
+            "fused": self._fused_option,
+            "foreach": self._foreach,
+            "capturable": self._capturable,
+            "offload_state": self._offload_state,
+        }
         return state
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
         options = state.pop("options", None)
         super().__setstate__(state)
@@ -265,7 +301,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._setup(**(options or {"compile": True, "fused": None}))
 
     # ---- parameter groups ---------------------------------------------------------------------------
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         """As ``torch.optim``'s; a group that fails the checks raises and is not added."""
         with warnings.catch_warnings():
             # refused below with the parameter named; torch.optim's warning for it would only come first
@@ -277,11 +313,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
-    def _check_hyperparams(self, group: Dict[str, Any]) -> None:
+    def _check_hyperparams(self, group: dict[str, Any]) -> None:
         """Raise ValueError naming a bad hyperparameter of ``group``; normalize numbers in place."""
         raise NotImplementedError
 
-    def _check_group(self, group: Dict[str, Any], index: Optional[int] = None) -> None:
+    def _check_group(self, group: dict[str, Any], index: int | None = None) -> None:
         """Raise ValueError unless ``group`` holds valid hyperparameters and parameters; normalizes numbers."""
         where = f"param group {len(self.param_groups) - 1 if index is None else index}"
         try:
@@ -292,11 +328,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if group["state_format"] != "none":
                 get_state_format(group["state_format"])  # raises ValueError naming the registered formats
             if self._offload_state and any(is_dtensor(p) for p in group["params"]):
-                raise ValueError("offload_state=True does not support DTensor (FSDP2) parameters: use FSDP2's "
-                                 "own CPUOffloadPolicy, or offload without sharding")
+                raise ValueError(
+                    "offload_state=True does not support DTensor (FSDP2) parameters: use FSDP2's "
+                    "own CPUOffloadPolicy, or offload without sharding"
+                )
             if self._offload_state and self._state_keys(group) and self._fused_rule(group) is None:
-                raise ValueError(f"offload_state=True needs the fused CUDA path, which no kernel gives this "
-                                 f"group's settings ({self._unfused_reason(group)})")
+                raise ValueError(
+                    f"offload_state=True needs the fused CUDA path, which no kernel gives this "
+                    f"group's settings ({self._unfused_reason(group)})"
+                )
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
         if group["state_format"] != "none":
@@ -321,7 +361,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 pass  # the format refuses this shape; its tables are built with its first state
 
     # ---- state --------------------------------------------------------------------------------------
-    def _state_keys(self, group, p: Optional[Tensor] = None) -> Tuple[str, ...]:
+    def _state_keys(self, group, p: Tensor | None = None) -> tuple[str, ...]:
         """The state keys ``p`` has in ``group`` (besides "step")."""
         raise NotImplementedError
 
@@ -340,7 +380,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _signed(self, key: str) -> bool:
         return key not in self.UNSIGNED_STATE_KEYS
 
-    def _format_for(self, p: Tensor, group) -> Optional[type]:
+    def _format_for(self, p: Tensor, group) -> type | None:
         """The format class for ``p``'s state, or None for plain (unquantized) state. Decided from the global
         shape only (a DTensor's ``shape``), so a sharded parameter is quantized on every mesh or on none."""
         if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
@@ -355,7 +395,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             return None  # the format cannot store this shape: keep plain state
         return fmt
 
-    def _block_size_for(self, p: Tensor, group, fmt: type) -> Optional[int]:
+    def _block_size_for(self, p: Tensor, group, fmt: type) -> int | None:
         """The block size of ``p``'s quantized state: the group's (or the format's default); for a DTensor
         parameter the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), or None
         when there is none or when its placements do not keep rows whole."""
@@ -381,8 +421,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if fmt is None:
             state = torch.zeros(lp.shape, dtype=self._plain_state_dtype(p), device=device)
         else:
-            state = fmt.zeros(lp.shape, signed=signed, block_size=self._block_size_for(p, group, fmt),
-                              device=device)
+            state = fmt.zeros(lp.shape, signed=signed, block_size=self._block_size_for(p, group, fmt), device=device)
         return like_param(p, state) if is_dtensor(p) else state
 
     def _where(self, p: Tensor) -> str:
@@ -396,8 +435,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self.state[p] = {}
         state = self.state[p]
         if not isinstance(state, dict):
-            raise ValueError(f"{type(self).__name__}: the state of {self._where(p)} must be a dict, got "
-                             f"{type(state).__name__}")
+            raise ValueError(
+                f"{type(self).__name__}: the state of {self._where(p)} must be a dict, got {type(state).__name__}"
+            )
         return state
 
     def _is_own_moment(self, p: Tensor, group, key: str, value) -> bool:
@@ -415,8 +455,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         fmt = self._format_for(p, group)
         if fmt is None:
             return type(lv) is Tensor and lv.dtype == self._plain_state_dtype(p) and lv.is_contiguous()
-        return type(lv) is fmt and lv.attrs() == fmt._attrs(signed=self._signed(key),
-                                                             block_size=self._block_size_for(p, group, fmt))
+        return type(lv) is fmt and lv.attrs() == fmt._attrs(
+            signed=self._signed(key), block_size=self._block_size_for(p, group, fmt)
+        )
 
     def _adopt_state(self, p: Tensor, group, state: dict) -> None:
         """Make ``state`` one the step can use, as torch.optim would use it. What it lacks is created: a reset state
@@ -428,8 +469,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         step = state.get("step")
         if step is None:
             state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif not (type(step) is Tensor and step.dtype == torch.float32 and step.dim() == 0
-                  and step.device == p.device):
+        elif not (type(step) is Tensor and step.dtype == torch.float32 and step.dim() == 0 and step.device == p.device):
             check_usable(step, f"{self._where(p)}: state['step']")
             state["step"] = checked_step(p, step, self._where(p))
         for key in self._state_keys(group, p):
@@ -440,8 +480,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 where = f"{self._where(p)}: state[{key!r}]"
                 check_usable(value, where)
                 state[key] = checked_moment(self, p, group, key, value, where)
+            elif isinstance(local(value), QuantizedState) and not local(value).is_meta:
+                # the kernels trust a state's fields to fit its shape: a truncated one would be read past its end
+                try:
+                    local(value).check_fields()
+                except ValueError as err:
+                    raise ValueError(f"{self._where(p)}: state[{key!r}]: {err}") from None
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ours or the matching ``torch.optim`` optimizer's state_dict.
 
         The whole checkpoint is checked first, against what this optimizer would create for each parameter
@@ -466,7 +512,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """As ``torch.optim``'s (the state tensors themselves, not copies); with ``offload_state``, after the
         last step's copies back to host memory have finished."""
         self._wait_offloaded()
@@ -483,27 +529,33 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The GPU window of ``offload_state``: two slots of the largest chunk, sized once for every parameter
         of the optimizer (so that stepping parameter by parameter, in backward, never outgrows them)."""
         if self._slots is not None and self._slots.device != device:
-            raise ValueError(f"{type(self).__name__}(offload_state=True) streams state through one GPU; "
-                             f"parameters on {self._slots.device} and {device}: use one optimizer per device")
+            raise ValueError(
+                f"{type(self).__name__}(offload_state=True) streams state through one GPU; "
+                f"parameters on {self._slots.device} and {device}: use one optimizer per device"
+            )
         if self._slots is None:
             largest = 0
             for group in self.param_groups:
                 for p in group["params"]:
                     if self._offloads(p):
-                        n = sum(state_nbytes(self._new_state_tensor(p, group, self._signed(k)))
-                                for k in self._state_keys(group, p))
+                        n = sum(
+                            state_nbytes(self._new_state_tensor(p, group, self._signed(k)))
+                            for k in self._state_keys(group, p)
+                        )
                         largest = max(largest, n)
             self._slots = Slots(max(offload.CHUNK_BYTES, largest), device)
         return self._slots
 
-    def _step_offloaded(self, group, params: List[Tensor], states: List[dict], rule: FusedRule, plan_cache,
-                        flags: Dict[str, Any]) -> None:
+    def _step_offloaded(
+        self, group, params: list[Tensor], states: list[dict], rule: FusedRule, plan_cache, flags: dict[str, Any]
+    ) -> None:
         """The step of ``params`` (all offloaded) with their states streamed through the GPU in chunks."""
         device = params[0].device
         slots = self._offload_slots(device)
         first = self._rounding(params[:1])[0][0]  # stepping one parameter at a time, they alternate slots
-        chunks, rest = plan_offloaded(plan_cache(), params, states, rule, slots, self._interpreter, self._rounding,
-                                      first_slot=first)
+        chunks, rest = plan_offloaded(
+            plan_cache(), params, states, rule, slots, self._interpreter, self._rounding, first_slot=first
+        )
         if rest:
             self._refuse_unplanned(params, states, rest)
         hp = self._hyperparams(group, device)
@@ -517,20 +569,22 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 for chunk in upcoming[1]["chunks"]:
                     slots.prefetch(chunk)
 
-    def _refuse_unplanned(self, params: List[Tensor], states: List[dict], rest) -> None:
+    def _refuse_unplanned(self, params: list[Tensor], states: list[dict], rest) -> None:
         """``offload_state``: a parameter the fused path does not cover is refused by name (its states, not yet
         made, are dropped: the optimizer stays usable)."""
         for i in rest:
             for key in [k for k, v in states[i].items() if isinstance(v, Tensor) and v.is_meta]:
                 del states[i][key]
         p = params[rest[0]]
-        raise ValueError(f"{type(self).__name__}(offload_state=True): a parameter of shape {tuple(p.shape)} "
-                         f"({p.dtype}, {p.device}{', a DTensor' if is_dtensor(p) else ''}) is not covered by the "
-                         f"fused CUDA path, through which offloaded state is streamed (see docs/bigger-models.md, "
-                         f"'Offloaded state')")
+        raise ValueError(
+            f"{type(self).__name__}(offload_state=True): a parameter of shape {tuple(p.shape)} "
+            f"({p.dtype}, {p.device}{', a DTensor' if is_dtensor(p) else ''}) is not covered by the "
+            f"fused CUDA path, through which offloaded state is streamed (see docs/bigger-models.md, "
+            f"'Offloaded state')"
+        )
 
     # ---- hyperparameters as a device tensor: changing them never recompiles, never syncs ---------------
-    def _hyperparam_values(self, group) -> Tuple[Any, ...]:
+    def _hyperparam_values(self, group) -> tuple[Any, ...]:
         """The group's hyperparameters in the order ``_coefficients`` reads them (lr first)."""
         raise NotImplementedError
 
@@ -541,7 +595,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         entry = self._hp_tensors.get((id(group), device))
         if entry is None:
             entry = self._hp_tensors[(id(group), device)] = (
-                [None] * len(values), torch.zeros(len(values), dtype=torch.float64, device=device))
+                [None] * len(values),
+                torch.zeros(len(values), dtype=torch.float64, device=device),
+            )
         cached, hp = entry
         for i, value in enumerate(values):
             if isinstance(value, Tensor):
@@ -567,15 +623,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
     # ---- the step -----------------------------------------------------------------------------------
     def _check_grad(self, p: Tensor, grad: Tensor) -> None:
         if is_dtensor(p) != is_dtensor(grad) or (is_dtensor(p) and grad.placements != p.placements):
-            raise RuntimeError(f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
-                               f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
-                               f"with placements {getattr(grad, 'placements', None)}; they must match")
+            raise RuntimeError(
+                f"{type(self).__name__}: a parameter of type {type(p).__name__} with placements "
+                f"{getattr(p, 'placements', None)} has a gradient of type {type(grad).__name__} "
+                f"with placements {getattr(grad, 'placements', None)}; they must match"
+            )
         if grad.is_sparse:
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if grad.is_complex() or p.is_complex():
             raise RuntimeError(f"{type(self).__name__} does not support complex parameters or gradients")
 
-    def _params_with_grad(self, group) -> Tuple[List[Tensor], List[dict]]:
+    def _params_with_grad(self, group) -> tuple[list[Tensor], list[dict]]:
         """The group's parameters that have a gradient, and their states (created on first use, adopted where a
         user changed them: :meth:`_adopt_state`). The lists are reused while the same parameters have gradients,
         the group's state keys are the same and the state holds the same objects (``optim/snapshot.py``): a step
@@ -583,8 +641,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # (map over C functions: this runs on every step, before any launch, for every parameter)
         grads = list(map(_GRAD, group["params"]))
         present = [g for g in grads if g is not None]
-        key = (tuple(map(id, group["params"])), len(present) == len(grads) or tuple(map(_IS_NONE, grads)),
-               self._state_keys(group))
+        key = (
+            tuple(map(id, group["params"])),
+            len(present) == len(grads) or tuple(map(_IS_NONE, grads)),
+            self._state_keys(group),
+        )
         cached = self._with_grad.get(id(group))
         if cached is not None and cached[0] == key:
             params, states, snapshot = cached[1:]
@@ -620,14 +681,14 @@ class LowBitOptimizer(torch.optim.Optimizer):
         self._with_grad[id(group)] = (key, params, states, StateSnapshot(states, self.state))
         return params, states
 
-    def _fused_rule(self, group) -> Optional[FusedRule]:
+    def _fused_rule(self, group) -> FusedRule | None:
         """The fused kernel's rule for this group, or None where none implements it."""
         return None
 
-    def _launch_flags(self, group) -> Dict[str, Any]:
+    def _launch_flags(self, group) -> dict[str, Any]:
         return {}
 
-    def _rounding(self, params: List[Tensor]) -> List[Tuple[int, int]]:
+    def _rounding(self, params: list[Tensor]) -> list[tuple[int, int]]:
         """``(position in the optimizer, element offset of the local shard)`` of each of ``params``: what the
         stochastic rounding of a parameter hashes, with its step (:mod:`torchao_optim.quant.rounding`)."""
         if any(id(p) not in self._positions for p in params):
@@ -646,8 +707,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if getattr(self, "_in_backward", None) is not None:
-            raise RuntimeError(f"{type(self).__name__}.step(): this optimizer steps in backward "
-                               f"(torchao_optim.step_in_backward); call the handle's remove() to step it again")
+            raise RuntimeError(
+                f"{type(self).__name__}.step(): this optimizer steps in backward "
+                f"(torchao_optim.step_in_backward); call the handle's remove() to step it again"
+            )
         if torch.compiler.is_compiling():  # one registered operator per group (optim/traced.py)
             for index, group in enumerate(self.param_groups):
                 params, grads, tensors = [], [], []
@@ -659,7 +722,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if self._replay_steady(group):
                 continue
             params, states = self._params_with_grad(group)
-            self._step_group(group, params, states, lambda: self._group_plans(group), replay=True)
+            self._step_group(group, params, states, lambda group=group: self._group_plans(group), replay=True)
         return loss
 
     def _replay_steady(self, group) -> bool:
@@ -695,7 +758,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """Where ``group``'s fused plans are cached (optim/fused.py's plan_group)."""
         return self._plans.setdefault(id(group), {})
 
-    def _group_tensors(self, group, params: List[Tensor], states: List[dict]) -> List[Tensor]:
+    def _group_tensors(self, group, params: list[Tensor], states: list[dict]) -> list[Tensor]:
         """The plain tensors that hold the states of ``params``: per parameter, each state's fields (a quantized
         state's codes and scales, or the plain state). Not the step counts: a compiled graph never reads them,
         and on the fused CUDA path they are views of one tensor (optim/fused.py), which a graph's inputs must not
@@ -709,7 +772,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 tensors.extend(value.fields().values() if isinstance(value, QuantizedState) else [value])
         return tensors
 
-    def _init_group(self, group, params: List[Tensor], grads: List[Tensor], tensors: List[Tensor]) -> int:
+    def _init_group(self, group, params: list[Tensor], grads: list[Tensor], tensors: list[Tensor]) -> int:
         """Fill the lists with ``group``'s parameters that have a gradient, their gradients and the tensors that
         hold their states (created here on the first step). Under torch.compile, dynamo runs this method on the
         real objects instead of tracing it, as it does torch.optim's."""
@@ -728,15 +791,17 @@ class LowBitOptimizer(torch.optim.Optimizer):
         tensors.extend(self._group_tensors(group, ps, states))
         return len(ps)
 
-    def _step_group_with(self, group, params: List[Tensor], grads: List[Tensor], tensors: List[Tensor]) -> None:
+    def _step_group_with(self, group, params: list[Tensor], grads: list[Tensor], tensors: list[Tensor]) -> None:
         """The step of ``group`` run by the ``torchao_optim::step_`` operator of a compiled step: with ``grads`` as
         the gradients (a compiled graph may hand over copies), and writing into ``params`` and ``tensors`` where
         they are copies of the optimizer's own (see optim/traced.py)."""
         own = [p for p in group["params"] if p.grad is not None]
         if len(own) != len(params) or len(grads) != len(params):
-            raise RuntimeError(f"{type(self).__name__}: a compiled step was traced for {len(params)} parameters with "
-                               f"gradients in param group {self.param_groups.index(group)}, which now has "
-                               f"{len(own)}")
+            raise RuntimeError(
+                f"{type(self).__name__}: a compiled step was traced for {len(params)} parameters with "
+                f"gradients in param group {self.param_groups.index(group)}, which now has "
+                f"{len(own)}"
+            )
         saved = [p.grad for p in own]
         try:
             for p, g in zip(own, grads):
@@ -752,7 +817,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             if mine.data_ptr() != theirs.data_ptr():
                 theirs.copy_(mine)
 
-    def _step_group(self, group, params: List[Tensor], states: List[dict], plan_cache, replay: bool = False) -> None:
+    def _step_group(self, group, params: list[Tensor], states: list[dict], plan_cache, replay: bool = False) -> None:
         """The step of ``params`` (of ``group``, all with gradients): fused plans (cached in the dict
         ``plan_cache()`` gives, while the same list comes back), then the compiled path for the rest. With
         ``replay``, the launches may be replayed from a CUDA graph (:mod:`torchao_optim.optim.replay`)."""
@@ -762,8 +827,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if rule is not None and self._offload_state:
             offloaded = [i for i in rest if self._offloads(params[i])]
             if offloaded:
-                self._step_offloaded(group, [params[i] for i in offloaded], [states[i] for i in offloaded], rule,
-                                     plan_cache, flags)
+                self._step_offloaded(
+                    group, [params[i] for i in offloaded], [states[i] for i in offloaded], rule, plan_cache, flags
+                )
             rest, rule = [i for i in rest if not self._offloads(params[i])], None  # the others: compiled path
         plans = []
         # the fused path's table of gradient addresses: refreshed here, outside any graph that replays it
@@ -778,9 +844,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                     plan.refresh_grads(addresses)
         if rest and self._capturable:
             p = params[rest[0]]
-            raise ValueError(f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
-                             f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
-                             f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')")
+            raise ValueError(
+                f"{type(self).__name__}(capturable=True): a parameter of shape {tuple(p.shape)} "
+                f"({p.dtype}, {p.device}) is not covered by the fused CUDA path, so the step "
+                f"cannot be captured in a CUDA graph (see docs/optimizers.md, 'capturable')"
+            )
         compiled = ([params[i] for i in rest], [states[i] for i in rest])
 
         def work():
@@ -798,8 +866,9 @@ class LowBitOptimizer(torch.optim.Optimizer):
         # The numbers the hyperparameter tensor carries are data (refilled above); a tensor is read by address;
         # anything else the step may read as a constant (a flag, Muon's eps): it is part of the signature.
         data = {id(x) for x in self._hyperparam_values(group) if not isinstance(x, Tensor)}
-        data_keys = {k for k, v in group.items() if id(v) in data or isinstance(v, tuple) and v
-                     and all(id(x) in data for x in v)}
+        data_keys = {
+            k for k, v in group.items() if id(v) in data or isinstance(v, tuple) and v and all(id(x) in data for x in v)
+        }
         settings, tensors = [], []
         for k, v in group.items():
             if isinstance(v, Tensor):
@@ -810,24 +879,38 @@ class LowBitOptimizer(torch.optim.Optimizer):
         if compiled[0]:  # what the compiled path's kernels read by address: parameters, gradients, states
             if addresses is None:
                 addresses = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
-            read = (tuple(map(Tensor.data_ptr, compiled[0])), tuple(addresses[i] for i in rest),
-                    tuple(map(Tensor.data_ptr, self._group_tensors(group, *compiled))))
+            read = (
+                tuple(map(Tensor.data_ptr, compiled[0])),
+                tuple(addresses[i] for i in rest),
+                tuple(map(Tensor.data_ptr, self._group_tensors(group, *compiled))),
+            )
         else:
             read = ()
-        signature = (id(params), tuple(settings), tuple(id(plan) for plan in plans),
-                     tuple(plan.grads_aligned for plan in plans), read)
+        signature = (
+            id(params),
+            tuple(settings),
+            tuple(id(plan) for plan in plans),
+            tuple(plan.grads_aligned for plan in plans),
+            read,
+        )
         graph = self._graphs.setdefault(id(group), StepGraph())
         replayed = graph.run(signature, (params, plans, tensors), work, device)
         # replayed, fused only, every parameter with a gradient: the next step may take the short way
         # and the state it was made from is the state now (checked once here; the short way checks only that
         # nothing changed since)
         with_grad = self._with_grad.get(id(group))
-        if (replayed and not compiled[0] and addresses is not None and len(params) == len(group["params"])
-                and with_grad is not None and with_grad[1] is params and with_grad[3].holds(self.state)):
-            graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys,
-                                  with_grad[3])
+        if (
+            replayed
+            and not compiled[0]
+            and addresses is not None
+            and len(params) == len(group["params"])
+            and with_grad is not None
+            and with_grad[1] is params
+            and with_grad[3].holds(self.state)
+        ):
+            graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys, with_grad[3])
 
-    def _replay_device(self, group, params: List[Tensor]) -> Optional[torch.device]:
+    def _replay_device(self, group, params: list[Tensor]) -> torch.device | None:
         """The CUDA device whose graph may replay the step of ``params`` (``group``'s with gradients), or None
         where none may: see :mod:`torchao_optim.optim.replay` for when."""
         if not params or not replay.ENABLED or self._offload_state or self._in_backward is not None:
@@ -866,7 +949,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
         coefficients computed for all of them at once, per device (a handful of small kernels, not a handful
         per parameter)."""
         check_state_shapes(params, states, self.STATE_KEYS, self._rounding)
-        by_device: Dict[torch.device, List[int]] = {}
+        by_device: dict[torch.device, list[int]] = {}
         for i, p in enumerate(params):
             by_device.setdefault(p.device, []).append(i)
         for device, idx in by_device.items():
@@ -883,10 +966,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
                 if local(params[i]).numel() == 0:
                     continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
                 key = keys[row] if keys is not None and params[i].dtype == torch.bfloat16 else None
-                self._step_one(params[i], states[i], group,
-                               rows64[row] if params[i].dtype == torch.float64 else rows32[row], key)
+                self._step_one(
+                    params[i], states[i], group, rows64[row] if params[i].dtype == torch.float64 else rows32[row], key
+                )
 
-    def _round_keys(self, params, steps, group, device) -> Optional[Tuple[Tensor, ...]]:
+    def _round_keys(self, params, steps, group, device) -> tuple[Tensor, ...] | None:
         """With ``bf16_stochastic_round`` and a bf16 parameter among ``params``: each parameter's int64
         ``(key, element offset)`` row for :func:`~torchao_optim.rules.store_param`, from its advanced
         step count, computed for all at once; padded by one row like the coefficients. Else None."""
@@ -904,7 +988,7 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._round_info[ids] = (list(params), torch.tensor(self._rounding(params), dtype=torch.int64).to(device))
         return self._round_info[ids][1]
 
-    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key: Optional[Tensor] = None) -> None:
+    def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key: Tensor | None = None) -> None:
         """One parameter on the compiled path, with its row of :meth:`_coefficients` (and, for stochastic
         rounding of a bf16 parameter, its ``(key, element offset)`` row)."""
         raise NotImplementedError

@@ -17,12 +17,14 @@ each rank keeps its rows.
 What converts rather than fails: a state of another format or precision (fp32 into a quantized format,
 quantized into plain state, another block size, fp16/bf16/fp64 values) and a state on another device.
 """
+
 from __future__ import annotations
 
 import copy
 import math
 from collections import defaultdict
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,7 +39,7 @@ __all__ = ["checked_state", "checked_step", "checked_moment", "check_usable"]
 # is filled in from the optimizer, as torch.optim does for old checkpoints) and ``STEP_OPTIONAL``.
 
 
-def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[List[dict], Dict[Tensor, dict]]:
+def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> tuple[list[dict], dict[Tensor, dict]]:
     """``(param_groups, state)`` for ``optimizer`` from ``state_dict``, or a ValueError; changes nothing.
 
     ``storage_keys`` are the group keys that stay the optimizer's own (how states are stored)."""
@@ -48,8 +50,9 @@ def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[L
     if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, dict):
         raise ValueError("state_dict['param_groups'] must be a list and state_dict['state'] a dict")
     if len(saved_groups) != len(optimizer.param_groups):
-        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
-                         f"{len(optimizer.param_groups)}")
+        raise ValueError(
+            f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer {len(optimizer.param_groups)}"
+        )
 
     groups, id_map, names = [], {}, {}
     for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
@@ -62,11 +65,13 @@ def checked_state(optimizer, state_dict, storage_keys: Sequence[str]) -> Tuple[L
                 names[pid] = saved["param_names"][j]
 
     # a defaultdict, as torch.optim's: a parameter without a saved entry gets its state at its first step
-    state: Dict[Tensor, dict] = defaultdict(dict)
+    state: dict[Tensor, dict] = defaultdict(dict)
     for pid, entry in saved_state.items():
         if pid not in id_map:
-            raise ValueError(f"state_dict['state'] holds state for parameter id {pid!r}, which no param group "
-                             f"lists (ids listed: {sorted(id_map, key=str)[:8]}...)")
+            raise ValueError(
+                f"state_dict['state'] holds state for parameter id {pid!r}, which no param group "
+                f"lists (ids listed: {sorted(id_map, key=str)[:8]}...)"
+            )
         p, group, index = id_map[pid]
         where = f"parameter {index}" + (f" ({names[pid]!r})" if pid in names else "") + f" of shape {tuple(p.shape)}"
         if not isinstance(entry, dict):
@@ -82,13 +87,17 @@ def _checked_group(optimizer, i: int, group: dict, saved: Any, storage_keys: Seq
     required = optimizer.REQUIRED_GROUP_KEYS
     missing = [k for k in required if k not in saved]
     if missing:
-        raise ValueError(f"param group {i} of the state_dict has no {missing} (keys: {sorted(saved)}); a "
-                         f"{type(optimizer).__name__} state_dict has {list(required)}: is it another optimizer's?")
+        raise ValueError(
+            f"param group {i} of the state_dict has no {missing} (keys: {sorted(saved)}); a "
+            f"{type(optimizer).__name__} state_dict has {list(required)}: is it another optimizer's?"
+        )
     if not isinstance(saved["params"], (list, tuple)):
         raise ValueError(f"param group {i} of the state_dict: 'params' must be a list of ids, got {saved['params']!r}")
     if len(saved["params"]) != len(group["params"]):
-        raise ValueError(f"param group {i} of the state_dict has {len(saved['params'])} parameters, the "
-                         f"optimizer's {len(group['params'])}")
+        raise ValueError(
+            f"param group {i} of the state_dict has {len(saved['params'])} parameters, the "
+            f"optimizer's {len(group['params'])}"
+        )
     new = copy.deepcopy({k: v for k, v in saved.items() if k != "params"})
     for key in group:
         if key not in required and key != "param_names":
@@ -110,12 +119,14 @@ def _checked_param_state(optimizer, p: Tensor, group: dict, entry: dict, where: 
     missing = [k for k in expected if k not in entry]
     if missing:
         because = f", as amsgrad={group['amsgrad']}" if "amsgrad" in group else ""
-        raise ValueError(f"{where}: state has no {missing} (keys: {sorted(map(str, entry))}; expected "
-                         f"{list(expected)}{because})")
+        raise ValueError(
+            f"{where}: state has no {missing} (keys: {sorted(map(str, entry))}; expected {list(expected)}{because})"
+        )
     unknown = [k for k in entry if k not in ("step",) + keys]
     if unknown:
-        raise ValueError(f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds "
-                         f"{['step', *keys]}")
+        raise ValueError(
+            f"{where}: state has unknown keys {unknown}; a {type(optimizer).__name__} state holds {['step', *keys]}"
+        )
     for key, value in entry.items():
         check_usable(value, f"{where}: state[{key!r}]")
     out = {"step": checked_step(p, entry["step"], where)}
@@ -130,9 +141,11 @@ def check_usable(value: Any, where: str) -> None:
     tensor on the meta device."""
     _refuse_foreign(value, where)
     if isinstance(value, Tensor) and value.device.type == "meta":
-        raise ValueError(f"{where} is on the meta device, which holds no data (a checkpoint loaded with "
-                         f"torch.load(..., map_location='meta')?): load it with a map_location that holds data, "
-                         f"such as 'cpu'")
+        raise ValueError(
+            f"{where} is on the meta device, which holds no data (a checkpoint loaded with "
+            f"torch.load(..., map_location='meta')?): load it with a map_location that holds data, "
+            f"such as 'cpu'"
+        )
 
 
 def _refuse_foreign(value: Any, where: str) -> None:
@@ -146,16 +159,20 @@ def _refuse_foreign(value: Any, where: str) -> None:
     if not isinstance(inner, Tensor) or type(inner) in known or isinstance(inner, QuantizedState):
         return
     cls = type(inner)
-    raise ValueError(f"{where} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass this library does not "
-                     f"know (another library's state?): converting optimizer state from other libraries is not "
-                     f"supported yet; load a state_dict whose states are plain tensors, dequantized by that library")
+    raise ValueError(
+        f"{where} is a {cls.__module__}.{cls.__qualname__}, a tensor subclass this library does not "
+        f"know (another library's state?): converting optimizer state from other libraries is not "
+        f"supported yet; load a state_dict whose states are plain tensors, dequantized by that library"
+    )
 
 
 def checked_step(p: Tensor, step: Any, where: str) -> Tensor:
     if isinstance(step, Tensor):
         if step.numel() != 1 or step.is_complex() or isinstance(step, QuantizedState):
-            raise ValueError(f"{where}: state['step'] must be a number or a one-element real tensor, got "
-                             f"{type(step).__name__} of shape {tuple(step.shape)} and dtype {step.dtype}")
+            raise ValueError(
+                f"{where}: state['step'] must be a number or a one-element real tensor, got "
+                f"{type(step).__name__} of shape {tuple(step.shape)} and dtype {step.dtype}"
+            )
         value = float(step.detach().reshape(()).cpu())
     elif isinstance(step, (int, float)) and not isinstance(step, bool):
         value = float(step)
@@ -186,12 +203,16 @@ def _checked_sharded_moment(optimizer, p: Tensor, fmt, block_size, key: str, val
     whole tensor of the global shape (a checkpoint saved without sharding), of which each rank keeps its rows.
     Checks run on each rank's rows."""
     if not is_dtensor(p):
-        raise ValueError(f"{where} is a DTensor with placements {value.placements}, but the parameter is a plain "
-                         f"tensor; load value.full_tensor() instead")
+        raise ValueError(
+            f"{where} is a DTensor with placements {value.placements}, but the parameter is a plain "
+            f"tensor; load value.full_tensor() instead"
+        )
     if is_dtensor(value):
         if value.device_mesh != p.device_mesh or tuple(value.placements) != tuple(p.placements):
-            raise ValueError(f"{where} is sharded as {tuple(value.placements)} over {value.device_mesh}; the "
-                             f"parameter as {tuple(p.placements)} over {p.device_mesh}: redistribute it first")
+            raise ValueError(
+                f"{where} is sharded as {tuple(value.placements)} over {value.device_mesh}; the "
+                f"parameter as {tuple(p.placements)} over {p.device_mesh}: redistribute it first"
+            )
         value = value.to_local()
     elif isinstance(value, QuantizedState):
         try:
@@ -212,8 +233,9 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
     ``offload_state``)."""
     device = optimizer._state_device(p)
     if value.shape != p.shape:
-        raise ValueError(f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's "
-                         f"{tuple(p.shape)}")
+        raise ValueError(
+            f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's {tuple(p.shape)}"
+        )
     signed = optimizer._signed(key)
     if isinstance(value, QuantizedState):
         try:
@@ -225,8 +247,7 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
             return value.to(device=device, dtype=torch.float32, copy=True)
         value = value.dequantize(torch.float32)
     elif not value.is_floating_point() or value.device.type == "meta":
-        raise ValueError(f"{where} must be a floating-point tensor holding data, got {value.dtype} on "
-                         f"{value.device}")
+        raise ValueError(f"{where} must be a floating-point tensor holding data, got {value.dtype} on {value.device}")
     bad = ~torch.isfinite(value) | ((value < 0) if not signed else torch.zeros_like(value, dtype=torch.bool))
     if bad.any():
         i = int(bad.reshape(-1).nonzero()[0])

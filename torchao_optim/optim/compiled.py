@@ -9,12 +9,14 @@ dtypes, ranks and format attributes, and the flags), each with its own dynamo ca
 function only ``torch._dynamo.config.recompile_limit`` (8) cache entries, and every configuration is an
 entry: one cache shared by all of them would run the ninth configuration a process meets eagerly, for good.
 """
+
 from __future__ import annotations
 
 import inspect
 import types
 import warnings
-from typing import Any, Callable, Dict, Hashable, Optional
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -43,7 +45,7 @@ _ISOLATE = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 def compiled(fn: Callable, isolated: bool = False) -> Callable:
     """``fn`` under ``torch.compile`` with the library's settings; ``isolated``: with a dynamo cache (and
     recompile limit) of its own, not shared with other compiled callables of the same function."""
-    kwargs: Dict[str, Any] = {}
+    kwargs: dict[str, Any] = {}
     if isolated and _ISOLATE:
         kwargs["isolate_recompiles"] = True
     elif isolated:
@@ -120,7 +122,7 @@ def _unmarked(a):
     return out.requires_grad_(a.requires_grad)
 
 
-_COMPILED: Dict[Hashable, Callable] = {}
+_COMPILED: dict[Hashable, Callable] = {}
 
 
 class CompiledOrEager:
@@ -133,7 +135,7 @@ class CompiledOrEager:
         self.fn = fn
         self.enabled = enabled
 
-    def compiled_for(self, *args, **kwargs) -> Optional[Callable]:
+    def compiled_for(self, *args, **kwargs) -> Callable | None:
         """The compiled callable that serves these arguments (None when compiling is off)."""
         if not self.enabled:
             return None

@@ -17,11 +17,11 @@ On the CPU a plan is the same data, run by one call of the C step (:mod:`torchao
 interpreter instead (slow, and meant for testing). Parameters no plan covers (amsgrad, a format without a
 layout, non-contiguous tensors, devices with neither executor) take the per-parameter compiled path.
 """
+
 from __future__ import annotations
 
 import functools
 import operator
-from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -59,16 +59,16 @@ MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
 # None: 8 per SM on CUDA (an H200 holds about 24 one-warp programs per SM), none elsewhere (Triton's interpreter
 # runs programs one at a time). Measured on an H200 (benchmarks/README.md): ViT-B's plan of its 1-D tensors
 # (fp32 state), 125 programs of 8 tiles, took 7.5 us.
-MIN_PROGRAMS: Optional[int] = None
+MIN_PROGRAMS: int | None = None
 # The last tiles of a plan, in launch order, go one per program. Programs start in about the order of their ids, so
 # the last ones to start are the plan's tail: as SMs run out of programs, those still running hold them. Short
 # programs there end the kernel closer together (ITERS tiles per program elsewhere keep their fixed costs shared).
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
-TAIL_TILES: Optional[int] = None
+TAIL_TILES: int | None = None
 TAIL_TILES_PER_SM = 32
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_importable() -> bool:
     try:
         import triton  # noqa: F401
@@ -79,7 +79,7 @@ def _triton_importable() -> bool:
     return True
 
 
-def fused_available(device: Optional[torch.device] = None) -> bool:
+def fused_available(device: torch.device | None = None) -> bool:
     """Whether the fused kernels can run on ``device`` (default: on some device of this machine)."""
     if device is None:
         return fused_available("cuda") or fused_available("cpu")
@@ -94,8 +94,8 @@ def _alias0d(base: Tensor, i: int) -> Tensor:
     return base.new_empty(0).set_(base.untyped_storage(), base.storage_offset() + i, (), ())
 
 
-def _state_layout(state) -> Optional[object]:
-    """"fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
+def _state_layout(state) -> object | None:
+    """ "fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
     state = local(state)
     if type(state) is Tensor:
         return "fp32" if state.dtype == torch.float32 and state.is_contiguous() else None
@@ -107,7 +107,7 @@ def _state_layout(state) -> Optional[object]:
     return layout if bs & (bs - 1) == 0 and bs <= MAX_BLOCK else None
 
 
-def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = False) -> Optional[tuple]:
+def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False) -> tuple | None:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
     implements the group's rule). CPU parameters go to the C kernels of :mod:`torchao_optim.kernels.cpu`, or
     with ``interpreter`` (and ``TRITON_INTERPRET=1``) to the Triton kernels in Triton's interpreter, for testing
@@ -136,7 +136,7 @@ def plan_key(p: Tensor, state, rule: Optional[FusedRule], interpreter: bool = Fa
     return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
 
 
-def _fields(state, layout) -> Tuple[Tensor, Optional[Tensor]]:
+def _fields(state, layout) -> tuple[Tensor, Tensor | None]:
     """(codes or values, scales) of one state (its local shard's, for a DTensor): the tensors a kernel writes."""
     state = local(state)
     if layout == "fp32":
@@ -144,7 +144,7 @@ def _fields(state, layout) -> Tuple[Tensor, Optional[Tensor]]:
     return getattr(state, layout.codes), getattr(state, layout.scales)
 
 
-def _address(t: Optional[Tensor]) -> int:
+def _address(t: Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
@@ -152,8 +152,14 @@ class GroupPlan:
     """Device tables for one launch over ``params`` (all with the same :func:`plan_key`). ``pdl=False``: its Adam
     update never starts before the work queued ahead of it has finished (see :data:`PDL`)."""
 
-    def __init__(self, key: tuple, params: List[Tensor], states: List[dict],
-                 rounding: Optional[List[Tuple[int, int]]] = None, pdl: bool = True):
+    def __init__(
+        self,
+        key: tuple,
+        params: list[Tensor],
+        states: list[dict],
+        rounding: list[tuple[int, int]] | None = None,
+        pdl: bool = True,
+    ):
         self.rule, self.layouts, self.block, device, param_dtype, grad_dtype, self.executor = key
         self.params = params  # as the optimizer holds them (DTensors under FSDP2): their .grad moves
         shards = [local(p) for p in params]
@@ -165,13 +171,21 @@ class GroupPlan:
         numels = torch.tensor([p.numel() for p in shards], dtype=torch.int64)
         self.iters = spread_iters(numels, self.tile, _per_sm(MIN_PROGRAMS, 8, device))
         self.prefetch, self.num_warps = PREFETCH, max(1, NUM_WARPS * self.tile // 256)
-        self.pdl = (pdl and PDL and self.executor == "triton" and device.type == "cuda" and not triton_interpreter()
-                    and torch.cuda.get_device_capability(device)[0] >= 9)
+        self.pdl = (
+            pdl
+            and PDL
+            and self.executor == "triton"
+            and device.type == "cuda"
+            and not triton_interpreter()
+            and torch.cuda.get_device_capability(device)[0] >= 9
+        )
         # the caps were measured on the two-state kernel; the one-state kernel takes the compiler's choice
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if len(self.layouts) == 2 else None
         # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
-        pointed = [[p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
-                   for p, s in zip(shards, states)]
+        pointed = [
+            [p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
+            for p, s in zip(shards, states)
+        ]
         rows = [list(map(_address, row)) for row in pointed]
         # the memory the tables point at stays allocated while the plan lives, whatever is done to the tensors
         self.keep = storages(t for row in pointed for t in row)
@@ -181,24 +195,27 @@ class GroupPlan:
         self.grads_aligned = False
         self.grad_ptrs = torch.zeros(len(params), dtype=torch.int64, device=device)
         self.grad_key: tuple = ()
-        self.captured_hosts: List[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
-        self.spare_host: Optional[Tensor] = None  # pinned, made outside a capture for the next one
+        self.captured_hosts: list[Tensor] = []  # host copies of grad_ptrs that a captured CUDA graph reads
+        self.spare_host: Tensor | None = None  # pinned, made outside a capture for the next one
         # each program's tensor, first tile and number of tiles
         tail = _per_sm(TAIL_TILES, TAIL_TILES_PER_SM, device)
         prog_tensor, prog_block, prog_tiles = program_map(numels, self.tile, self.iters, tail)
         self.n_programs = len(prog_tensor)
-        self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device)
-                                                              for x in (prog_tensor, prog_block, prog_tiles))
+        self.prog_tensor, self.prog_block, self.prog_tiles = (
+            x.to(device) for x in (prog_tensor, prog_block, prog_tiles)
+        )
         self.numels = numels.to(device)
         # One step counter per parameter, advanced by the coefficients kernel; state["step"] aliases it. The CPU
         # executor advances each state's own counter instead (a few microseconds there), so that a state shared
         # between processes (torch.multiprocessing, Hogwild) counts every process's steps.
         self.states = states
-        self.use_counters(torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states]),
-                          torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device))
+        self.use_counters(
+            torch.stack([s["step"].to(device=device, dtype=torch.float32).reshape(()) for s in states]),
+            torch.empty(len(params), self.rule.n_coefs, dtype=torch.float32, device=device),
+        )
         # (step counts, coefficient rows) that this plan's launch advances and computes first: its own, or those of
         # every plan of its group on its device (None: another plan's launch computes them; _share_coefficients)
-        self.coefs_for: Optional[Tuple[Tensor, Tensor]] = (self.steps, self.coefs)
+        self.coefs_for: tuple[Tensor, Tensor] | None = (self.steps, self.coefs)
         self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
@@ -207,8 +224,9 @@ class GroupPlan:
 
             self.param_dtype, self.grad_dtype = TRITON_DTYPES[param_dtype], TRITON_DTYPES[grad_dtype]
         # (position in the optimizer, element offset) per parameter: what stochastic rounding hashes
-        self.round_info = torch.tensor(rounding or [(i, 0) for i in range(len(params))],
-                                       dtype=torch.int64).reshape(-1, 2).to(device)
+        self.round_info = (
+            torch.tensor(rounding or [(i, 0) for i in range(len(params))], dtype=torch.int64).reshape(-1, 2).to(device)
+        )
         self.bf16 = param_dtype == torch.bfloat16
         self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
 
@@ -229,7 +247,7 @@ class GroupPlan:
         grads = map(_GRAD, self.params)
         return map(local, grads) if self.sharded else grads
 
-    def refresh_grads(self, group_addresses: Optional[tuple] = None, group_grads: Optional[tuple] = None) -> bool:
+    def refresh_grads(self, group_addresses: tuple | None = None, group_grads: tuple | None = None) -> bool:
         """Point the kernel at the gradients' current addresses (a copy only when one moved). Returns False,
         changing nothing, when a gradient is not contiguous (one that moved, or a view put in its place at the
         same address, as ``p.grad = p.grad.t()``): the kernel would misread it, the parameter must be planned
@@ -269,8 +287,10 @@ class GroupPlan:
         ``refresh=False``: the caller has just called :meth:`refresh_grads`."""
         if refresh and not self.refresh_grads():
             p, g = next((p, g) for p, g in zip(self.params, self._grads()) if not g.is_contiguous())
-            raise RuntimeError(f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
-                               f"{g.stride()}), which this fused step cannot read; make it contiguous")
+            raise RuntimeError(
+                f"a parameter of shape {tuple(local(p).shape)} has a non-contiguous gradient (strides "
+                f"{g.stride()}), which this fused step cannot read; make it contiguous"
+            )
         launch.run(self, hyperparams, **flags)
 
 
@@ -279,7 +299,7 @@ def _programs(numels: Tensor, span: int) -> Tensor:
     return (numels + span - 1) // span
 
 
-def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The programs of a plan of tensors of ``numels`` elements in ``tile``-element tiles: each program's tensor,
     first tile and number of tiles (int32). Programs of ``iters`` tiles (a tensor's last, fewer), except the plan's
     last ``tail_tiles`` tiles (in the order of the tensors), one per program."""
@@ -293,8 +313,9 @@ def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> T
         tensors.append(torch.full(first.shape, t))
         firsts.append(first)
         counts.append(count)
-    return tuple(torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32)
-                 for xs in (tensors, firsts, counts))
+    return tuple(
+        torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32) for xs in (tensors, firsts, counts)
+    )
 
 
 def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
@@ -306,7 +327,7 @@ def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:
     return iters
 
 
-def _per_sm(setting: Optional[int], per_sm: int, device: torch.device) -> int:
+def _per_sm(setting: int | None, per_sm: int, device: torch.device) -> int:
     """``setting`` where set, else ``per_sm`` for each SM of a CUDA device (0 elsewhere): :data:`MIN_PROGRAMS` and
     :data:`TAIL_TILES`."""
     if setting is not None:
@@ -316,13 +337,13 @@ def _per_sm(setting: Optional[int], per_sm: int, device: torch.device) -> int:
     return per_sm * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _share_coefficients(plans: List[GroupPlan]) -> None:
+def _share_coefficients(plans: list[GroupPlan]) -> None:
     """One coefficients launch for every plan of a group on a device whose rule has a Triton coefficients kernel
     (Adam's; the Triton executor's), made by the first one's launch (the plans of a group are launched together, in
     order): their step counts and coefficient rows become slices of one buffer each. Each launch is a kernel the next
     one waits for (about 2 us on an H200, on a step of ViT-B's 0.3 ms with its two plans, quantized states and the
     plain states of its 1-D tensors)."""
-    by_device: Dict[torch.device, List[GroupPlan]] = {}
+    by_device: dict[torch.device, list[GroupPlan]] = {}
     for plan in plans:
         if plan.executor == "triton" and plan.rule.triton_coefficients is not None:
             by_device.setdefault(plan.steps.device, []).append(plan)
@@ -334,13 +355,13 @@ def _share_coefficients(plans: List[GroupPlan]) -> None:
         start = 0
         for plan in same:
             n = len(plan.params)
-            plan.use_counters(steps[start:start + n], coefs[start:start + n])
+            plan.use_counters(steps[start : start + n], coefs[start : start + n])
             plan.coefs_for = None
             start += n
         same[0].coefs_for = (steps, coefs)
 
 
-def register_cap(layouts, param_bytes: int) -> Optional[int]:
+def register_cap(layouts, param_bytes: int) -> int | None:
     """The register cap of a two-state plan (Adam's) whose states have ``layouts``: :data:`MAXNREG` where set, else
     :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
@@ -349,7 +370,7 @@ def register_cap(layouts, param_bytes: int) -> Optional[int]:
     return REGISTER_CAPS.get((min(bits), param_bytes)) if bits else None
 
 
-def _addresses(params: List[Tensor]) -> tuple:
+def _addresses(params: list[Tensor]) -> tuple:
     """The data addresses of ``params`` (their local shards' for DTensors): C calls only where it can."""
     try:
         return tuple(map(Tensor.data_ptr, params))
@@ -357,7 +378,7 @@ def _addresses(params: List[Tensor]) -> tuple:
         return tuple(local(p).data_ptr() for p in params)
 
 
-def check_state_shapes(params: List[Tensor], states: List[dict], keys, rounding=None) -> None:
+def check_state_shapes(params: list[Tensor], states: list[dict], keys, rounding=None) -> None:
     """RuntimeError naming the first of ``params`` whose ``keys`` states (those it has) are not of its shape: its
     data was replaced (``p.data = ...``) after they were created. Run before a step changes anything, by both
     executors. ``rounding``: the optimizer's ``_rounding``, whose rows start with each parameter's position."""
@@ -365,13 +386,21 @@ def check_state_shapes(params: List[Tensor], states: List[dict], keys, rounding=
         for k in keys:
             if k in s and local(s[k]).shape != local(p).shape:
                 where = f"parameter {rounding([p])[0][0]}" if rounding is not None else "a parameter"
-                raise RuntimeError(f"{where} has shape {tuple(local(p).shape)} and a state {k!r} of shape "
-                                   f"{tuple(local(s[k]).shape)}: its data was replaced by a tensor of another shape "
-                                   f"after its state was created")
+                raise RuntimeError(
+                    f"{where} has shape {tuple(local(p).shape)} and a state {k!r} of shape "
+                    f"{tuple(local(s[k]).shape)}: its data was replaced by a tensor of another shape "
+                    f"after its state was created"
+                )
 
 
-def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Optional[FusedRule],
-               interpreter: bool = False, rounding=None) -> Tuple[List[GroupPlan], List[int]]:
+def plan_group(
+    cache: dict,
+    params: list[Tensor],
+    states: list[dict],
+    rule: FusedRule | None,
+    interpreter: bool = False,
+    rounding=None,
+) -> tuple[list[GroupPlan], list[int]]:
     """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
     while the same parameters have gradients under the same rule), and the indexes of the parameters left to
     the compiled path."""
@@ -388,7 +417,7 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
         cache["params"] = params
         return cache["plans"], cache["rest"]
     check_state_shapes(params, states, rule.state_keys if rule is not None else (), rounding)
-    buckets: Dict[tuple, List[int]] = {}
+    buckets: dict[tuple, list[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
         k = plan_key(p, s, rule, interpreter)
@@ -397,13 +426,20 @@ def plan_group(cache: Dict, params: List[Tensor], states: List[dict], rule: Opti
         else:
             buckets.setdefault(k, []).append(i)
     # rounding(params): (position, element offset) of each, for stochastic rounding (optim/base.py)
-    plans = [GroupPlan(k, [params[i] for i in idx], [states[i] for i in idx],
-                       rounding([params[i] for i in idx]) if rounding is not None else None)
-             for k, idx in buckets.items()]
+    plans = [
+        GroupPlan(
+            k,
+            [params[i] for i in idx],
+            [states[i] for i in idx],
+            rounding([params[i] for i in idx]) if rounding is not None else None,
+        )
+        for k, idx in buckets.items()
+    ]
     for plan, idx in zip(plans, buckets.values()):  # its parameters' positions in ``params``
         plan.pick = (lambda seq, i=idx[0]: (seq[i],)) if len(idx) == 1 else operator.itemgetter(*idx)
     _share_coefficients(plans)
     # recorded after the plans re-pointed each state's "step" at their counters
-    cache.update(key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses,
-                 states=StateSnapshot(states))
+    cache.update(
+        key=key, rule=rule, params=params, plans=plans, rest=rest, addresses=addresses, states=StateSnapshot(states)
+    )
     return plans, rest

@@ -14,9 +14,10 @@ element update in each family's form, its coefficients and its name in the C ste
 
 A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks.
 """
+
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,19 +45,24 @@ def run(plan, hyperparams: Tensor, maximize: bool = False, stochastic_round: boo
         return _run_two_states(plan, hyperparams, option, maximize, stochastic_round)
     if len(plan.layouts) == 1:
         return _run_one_state(plan, hyperparams, option, maximize, stochastic_round)
-    raise NotImplementedError(f"rule {rule.name!r} carries {len(plan.layouts)} states {rule.state_keys}: the Triton "
-                              f"kernels take one or two")
+    raise NotImplementedError(
+        f"rule {rule.name!r} carries {len(plan.layouts)} states {rule.state_keys}: the Triton kernels take one or two"
+    )
 
 
 def _triton_update(rule, n_states: int, n_coefs: int):
     """The rule's element update for the Triton kernel of ``n_states`` states, which reads ``n_coefs`` coefficients."""
     if rule.triton_update is None:
-        raise NotImplementedError(f"rule {rule.name!r} declares no Triton element update (FusedRule.triton_update): "
-                                  f"the fused Triton kernels cannot run it; give it one (rules/triton_updates.py), "
-                                  f"or leave its parameters to the compiled path (fused=False)")
+        raise NotImplementedError(
+            f"rule {rule.name!r} declares no Triton element update (FusedRule.triton_update): "
+            f"the fused Triton kernels cannot run it; give it one (rules/triton_updates.py), "
+            f"or leave its parameters to the compiled path (fused=False)"
+        )
     if rule.n_coefs != n_coefs:
-        raise NotImplementedError(f"rule {rule.name!r} has {rule.n_coefs} coefficients {rule.coefficient_names}, "
-                                  f"but the Triton kernel of {n_states} state(s) reads {n_coefs}")
+        raise NotImplementedError(
+            f"rule {rule.name!r} has {rule.n_coefs} coefficients {rule.coefficient_names}, "
+            f"but the Triton kernel of {n_states} state(s) reads {n_coefs}"
+        )
     return rule.triton_update()
 
 
@@ -69,8 +75,9 @@ def _advance(plan, hyperparams: Tensor, option: bool) -> None:
     steps, coefs = plan.coefs_for
     if plan.rule.triton_coefficients is not None:
         n = len(steps)
-        plan.rule.triton_coefficients()[(1,)](steps, hyperparams, coefs, n, option,
-                                              N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=plan.pdl, num_warps=4)
+        plan.rule.triton_coefficients()[(1,)](
+            steps, hyperparams, coefs, n, option, N_POW2=max(16, 1 << (n - 1).bit_length()), PDL=plan.pdl, num_warps=4
+        )
     else:
         steps.add_(1)
         coefs.copy_(plan.rule.coefficients(steps, hyperparams, option))  # (n_tensors, n_coefs), fp32
@@ -85,16 +92,39 @@ def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, sto
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     m_layout, v_layout = plan.layouts
     plan.compiled = adam_kernel[(plan.n_programs,)](
-        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
-        plan.steps, plan.round_info, *plan.tables,
-        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
-        PREFETCH=plan.prefetch, ALIGNED=plan.aligned and plan.grads_aligned, PTX=not triton_interpreter(),
-        SR=plan.rounds(stochastic_round), UPDATE=update, OPTION=option, MAXIMIZE=maximize,
-        M_QUANT=m_layout != "fp32", M_BITS=getattr(m_layout, "bits", 8),
-        V_QUANT=v_layout != "fp32", V_BITS=getattr(v_layout, "bits", 8),
-        M_SIGNED=getattr(m_layout, "signed", True), V_SIGNED=getattr(v_layout, "signed", True),
-        M_FLAT=plan.flat[0], V_FLAT=plan.flat[1],
-        PDL=plan.pdl, num_warps=plan.num_warps, **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
+        plan.ptrs,
+        plan.grad_ptrs,
+        plan.numels,
+        plan.coefs,
+        plan.prog_tensor,
+        plan.prog_block,
+        plan.prog_tiles,
+        plan.steps,
+        plan.round_info,
+        *plan.tables,
+        PARAM_DTYPE=plan.param_dtype,
+        GRAD_DTYPE=plan.grad_dtype,
+        QBLOCK=plan.block,
+        BLOCK=plan.tile,
+        VEC=plan.vec,
+        PREFETCH=plan.prefetch,
+        ALIGNED=plan.aligned and plan.grads_aligned,
+        PTX=not triton_interpreter(),
+        SR=plan.rounds(stochastic_round),
+        UPDATE=update,
+        OPTION=option,
+        MAXIMIZE=maximize,
+        M_QUANT=m_layout != "fp32",
+        M_BITS=getattr(m_layout, "bits", 8),
+        V_QUANT=v_layout != "fp32",
+        V_BITS=getattr(v_layout, "bits", 8),
+        M_SIGNED=getattr(m_layout, "signed", True),
+        V_SIGNED=getattr(v_layout, "signed", True),
+        M_FLAT=plan.flat[0],
+        V_FLAT=plan.flat[1],
+        PDL=plan.pdl,
+        num_warps=plan.num_warps,
+        **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
         **({"launch_pdl": True} if plan.pdl else {}),
     )
 
@@ -108,24 +138,44 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     (layout,) = plan.layouts
     plan.compiled = momentum_kernel[(plan.n_programs,)](
-        plan.ptrs, plan.grad_ptrs, plan.numels, plan.coefs, plan.prog_tensor, plan.prog_block, plan.prog_tiles,
-        plan.steps, plan.round_info, *plan.tables,
-        PARAM_DTYPE=plan.param_dtype, GRAD_DTYPE=plan.grad_dtype, QBLOCK=plan.block, BLOCK=plan.tile, VEC=plan.vec,
+        plan.ptrs,
+        plan.grad_ptrs,
+        plan.numels,
+        plan.coefs,
+        plan.prog_tensor,
+        plan.prog_block,
+        plan.prog_tiles,
+        plan.steps,
+        plan.round_info,
+        *plan.tables,
+        PARAM_DTYPE=plan.param_dtype,
+        GRAD_DTYPE=plan.grad_dtype,
+        QBLOCK=plan.block,
+        BLOCK=plan.tile,
+        VEC=plan.vec,
         ALIGNED=plan.aligned and plan.grads_aligned,
-        UPDATE=update, OPTION=option, MAXIMIZE=maximize, SR=plan.rounds(stochastic_round),
-        S_QUANT=layout != "fp32", S_BITS=getattr(layout, "bits", 8), PTX=not triton_interpreter(),
-        S_SIGNED=getattr(layout, "signed", True), S_FLAT=plan.flat[0],
+        UPDATE=update,
+        OPTION=option,
+        MAXIMIZE=maximize,
+        SR=plan.rounds(stochastic_round),
+        S_QUANT=layout != "fp32",
+        S_BITS=getattr(layout, "bits", 8),
+        PTX=not triton_interpreter(),
+        S_SIGNED=getattr(layout, "signed", True),
+        S_FLAT=plan.flat[0],
         num_warps=plan.num_warps,
     )
 
 
-def _c_settings(rule, option: bool) -> Dict[str, Any]:
+def _c_settings(rule, option: bool) -> dict[str, Any]:
     """The C step's settings (:data:`C_SETTINGS`): the rule's option under its name, the others off."""
     settings = dict.fromkeys(C_SETTINGS, False)
     if rule.option is not None:
         if rule.option not in settings:
-            raise NotImplementedError(f"rule {rule.name!r} takes the option {rule.option!r}, which the fused CPU "
-                                      f"step does not (it takes {list(C_SETTINGS)})")
+            raise NotImplementedError(
+                f"rule {rule.name!r} takes the option {rule.option!r}, which the fused CPU "
+                f"step does not (it takes {list(C_SETTINGS)})"
+            )
         settings[rule.option] = option
     return settings
 
@@ -143,16 +193,33 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
     for k in range(2):
         if k < len(plan.layouts):
             layout = plan.layouts[k]
-            args += [t.data_ptr() for t in plan.tables[3 * k: 3 * k + 3]]
+            args += [t.data_ptr() for t in plan.tables[3 * k : 3 * k + 3]]
             args.append(KINDS[layout if layout == "fp32" else layout.bits])
         else:
             args += [None, None, None, KINDS["fp32"]]
     status = cpu_kernels().torchao_optim_cpu_step(
-        len(plan.params), plan.ptrs.data_ptr(), plan.grad_ptrs.data_ptr(), plan.numels.data_ptr(),
-        plan.coefs.data_ptr(), plan.steps.data_ptr(), plan.round_info.data_ptr(), *args,
-        len(plan.layouts), rule.n_coefs, plan.block, index, CPU_DTYPES[plan.torch_param_dtype],
-        CPU_DTYPES[plan.torch_grad_dtype], settings["decoupled"], maximize, settings["nesterov"],
-        plan.rounds(stochastic_round), torch.get_num_threads(), MIN_BLOCKS_PER_THREAD * 256 // plan.block)
+        len(plan.params),
+        plan.ptrs.data_ptr(),
+        plan.grad_ptrs.data_ptr(),
+        plan.numels.data_ptr(),
+        plan.coefs.data_ptr(),
+        plan.steps.data_ptr(),
+        plan.round_info.data_ptr(),
+        *args,
+        len(plan.layouts),
+        rule.n_coefs,
+        plan.block,
+        index,
+        CPU_DTYPES[plan.torch_param_dtype],
+        CPU_DTYPES[plan.torch_grad_dtype],
+        settings["decoupled"],
+        maximize,
+        settings["nesterov"],
+        plan.rounds(stochastic_round),
+        torch.get_num_threads(),
+        MIN_BLOCKS_PER_THREAD * 256 // plan.block,
+    )
     if status != 0:
-        raise RuntimeError(f"the fused CPU step failed (status {status}) for rule {rule.name!r}, block size "
-                           f"{plan.block}")
+        raise RuntimeError(
+            f"the fused CPU step failed (status {status}) for rule {rule.name!r}, block size {plan.block}"
+        )

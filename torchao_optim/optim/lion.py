@@ -1,4 +1,5 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with its one state in low bits."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -45,17 +46,47 @@ class Lion8bit(LowBitOptimizer):
     REQUIRED_GROUP_KEYS = ("params", "lr", "betas", "weight_decay")
     update_fn = staticmethod(lion_update)
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False,
-                 state_format="dtq8", block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None,
-                 capturable=False, differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-4,
+        betas=(0.9, 0.99),
+        weight_decay=0.0,
+        *,
+        maximize=False,
+        state_format="dtq8",
+        block_size=None,
+        min_quant_size=4096,
+        compile=True,
+        fused=None,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        bf16_stochastic_round=False,
+        offload_state=False,
+    ):
         _check(lr, betas, weight_decay)
         check_storage(block_size, min_quant_size)
-        defaults = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, maximize=maximize,
-                        state_format=state_format, block_size=block_size, min_quant_size=min_quant_size)
-        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            weight_decay=weight_decay,
+            maximize=maximize,
+            state_format=state_format,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+        )
+        super().__init__(
+            params,
+            defaults,
+            compile=compile,
+            fused=fused,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            bf16_stochastic_round=bf16_stochastic_round,
+            offload_state=offload_state,
+        )
 
     def _check_hyperparams(self, group) -> None:
         _check(group["lr"], group["betas"], group["weight_decay"])

@@ -6,16 +6,22 @@ update :func:`~torchao_optim.rules.muon.muon_momentum`, over a state of any form
 ``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which
 computes the same thing (bit for bit on the CPU: tested against torch's where both exist).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from torchao_optim.optim.base import (
-    LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases, number,
+    LowBitOptimizer,
+    as_float,
+    check_bool,
+    check_number,
+    check_storage,
+    flat_aliases,
+    number,
 )
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.sharded import is_dtensor
@@ -29,8 +35,9 @@ NS_STEPS = 5
 NS_EPS = 1e-7
 
 
-def newton_schulz(g: Tensor, coefficients: Tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS,
-                  eps: float = NS_EPS) -> Tensor:
+def newton_schulz(
+    g: Tensor, coefficients: tuple[float, float, float] = NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS
+) -> Tensor:
     """An approximately orthogonal matrix with ``g``'s singular vectors (2-D ``g``), in bf16: ``X = g / ||g||_F``
     (the wide orientation, so that ``X @ X.T`` is the smaller Gram matrix), then ``steps`` times
     ``A = X X^T;  X = a X + (b A + c A A) X``. The coefficients are chosen for a steep slope at 0, not for
@@ -58,7 +65,7 @@ def orthogonalize(g: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     return _zeropower_via_newtonschulz(g, tuple(coefficients), steps, eps)
 
 
-def lr_ratio(shape, adjust_lr_fn: Optional[str]) -> float:
+def lr_ratio(shape, adjust_lr_fn: str | None) -> float:
     """torch.optim.Muon's lr adjustment for a (rows, cols) parameter: ``sqrt(max(1, rows / cols))`` ("original",
     the default) or ``0.2 * sqrt(max(rows, cols))`` ("match_rms_adamw": AdamW's update RMS, Moonshot's)."""
     rows, cols = shape[:2]
@@ -113,27 +120,70 @@ class Muon8bit(LowBitOptimizer):
     STEP_OPTIONAL = True
     update_fn = staticmethod(muon_momentum)
 
-    def __init__(self, params, lr=1e-3, weight_decay=0.1, momentum=0.95, nesterov=True,
-                 ns_coefficients=NS_COEFFICIENTS, eps=NS_EPS, ns_steps=NS_STEPS, adjust_lr_fn=None, *,
-                 adamw_betas=(0.9, 0.95), adamw_eps=1e-8, use_muon=None, maximize=False, state_format="dtq8",
-                 block_size=None, min_quant_size=4096, compile=True, fused=None, foreach=None, capturable=False,
-                 differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        weight_decay=0.1,
+        momentum=0.95,
+        nesterov=True,
+        ns_coefficients=NS_COEFFICIENTS,
+        eps=NS_EPS,
+        ns_steps=NS_STEPS,
+        adjust_lr_fn=None,
+        *,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps=1e-8,
+        use_muon=None,
+        maximize=False,
+        state_format="dtq8",
+        block_size=None,
+        min_quant_size=4096,
+        compile=True,
+        fused=None,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        bf16_stochastic_round=False,
+        offload_state=False,
+    ):
         if capturable:
             raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
         if offload_state:
-            raise ValueError("Muon8bit(offload_state=True) is not supported: offloaded state is streamed through "
-                             "the fused kernels, and no fused kernel implements Muon")
+            raise ValueError(
+                "Muon8bit(offload_state=True) is not supported: offloaded state is streamed through "
+                "the fused kernels, and no fused kernel implements Muon"
+            )
         check_storage(block_size, min_quant_size)
-        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                        ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
-                        adjust_lr_fn=adjust_lr_fn, adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps,
-                        use_muon=use_muon, maximize=maximize, state_format=state_format, block_size=block_size,
-                        min_quant_size=min_quant_size)
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_coefficients=tuple(ns_coefficients),
+            eps=eps,
+            ns_steps=ns_steps,
+            adjust_lr_fn=adjust_lr_fn,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            use_muon=use_muon,
+            maximize=maximize,
+            state_format=state_format,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+        )
         self._check_hyperparams(dict(defaults, params=[]))
-        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
+        super().__init__(
+            params,
+            defaults,
+            compile=compile,
+            fused=fused,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            bf16_stochastic_round=bf16_stochastic_round,
+            offload_state=offload_state,
+        )
 
     def _setup(self, compile, fused, foreach=None, capturable=False, offload_state=False) -> None:
         super()._setup(compile, fused, foreach, capturable, offload_state)
@@ -159,8 +209,7 @@ class Muon8bit(LowBitOptimizer):
         if not isinstance(steps, int) or isinstance(steps, bool) or not 0 < steps < 100:
             raise ValueError(f"Invalid ns_steps: {steps!r} (an int in [1, 99])")
         if group["adjust_lr_fn"] not in (None, "original", "match_rms_adamw"):
-            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (None, 'original' or "
-                             f"'match_rms_adamw')")
+            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (None, 'original' or 'match_rms_adamw')")
         for key in ("nesterov", "maximize"):
             check_bool(group, key)
         if group["use_muon"] not in (None, True, False):
@@ -205,17 +254,26 @@ class Muon8bit(LowBitOptimizer):
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         if not self._uses_muon(group, p):
             with flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]]) as (param, grad, states):
-                self._adam_update(param, grad, *states, None, coefs[4:], decoupled_weight_decay=True,
-                                  amsgrad=False, maximize=group["maximize"], round_key=round_key)
+                self._adam_update(
+                    param,
+                    grad,
+                    *states,
+                    None,
+                    coefs[4:],
+                    decoupled_weight_decay=True,
+                    amsgrad=False,
+                    maximize=group["maximize"],
+                    round_key=round_key,
+                )
             return
         if is_dtensor(p):
             raise NotImplementedError(
                 f"Muon8bit: the parameter of shape {tuple(p.shape)} is sharded ({p.placements}); orthogonalizing "
                 f"its update needs the whole matrix, which a sharded step does not gather. Give it to the AdamW "
-                f"fallback (use_muon=False in its param group) or keep it unsharded")
+                f"fallback (use_muon=False in its param group) or keep it unsharded"
+            )
         with flat_aliases(None, p.grad, [state["momentum_buffer"]]) as (_, grad, (buf,)):
-            direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"],
-                                         maximize=group["maximize"])
+            direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"], maximize=group["maximize"])
         ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
         x = p.to(torch.promote_types(p.dtype, torch.float32))
         new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)

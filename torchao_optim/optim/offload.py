@@ -21,10 +21,11 @@ of the optimizer do (:meth:`Slots.wait`); code that reads ``optimizer.state`` di
 ``torch.cuda.synchronize()`` first. In Triton's interpreter on the CPU (testing) the same plans run with
 CPU slots and synchronous copies.
 """
+
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -40,12 +41,12 @@ CHUNK_BYTES = 64 << 20  # state bytes per chunk (a parameter larger than that is
 ALIGN = 64  # every field starts at a multiple of this many bytes, in the arena and in the slots
 
 
-def _fields(state: Tensor) -> Dict[str, Tensor]:
+def _fields(state: Tensor) -> dict[str, Tensor]:
     """The plain tensors a state is made of: a quantized state's fields, or the state itself."""
     return state.fields() if isinstance(state, QuantizedState) else {"": state}
 
 
-def _rebuild(state: Tensor, fields: Dict[str, Tensor]) -> Tensor:
+def _rebuild(state: Tensor, fields: dict[str, Tensor]) -> Tensor:
     return state._new(fields) if isinstance(state, QuantizedState) else fields[""]
 
 
@@ -67,15 +68,17 @@ def pinned_empty(nbytes: int) -> Tensor:
         ptr = t.data_ptr()
         err = cudart.cudaHostRegister(ptr, t.numel(), 0)
         if int(err) != 0:
-            raise RuntimeError(f"offload_state: page-locking {nbytes} bytes of host memory failed (CUDA error "
-                               f"{int(err)}); the host may be short of memory")
+            raise RuntimeError(
+                f"offload_state: page-locking {nbytes} bytes of host memory failed (CUDA error "
+                f"{int(err)}); the host may be short of memory"
+            )
         weakref.finalize(t, cudart.cudaHostUnregister, ptr)
     return t
 
 
 def _view(buffer: Tensor, offset: int, like: Tensor) -> Tensor:
     n = like.numel() * like.element_size()
-    return buffer[offset:offset + n].view(like.dtype).view(like.shape)
+    return buffer[offset : offset + n].view(like.dtype).view(like.shape)
 
 
 class OffloadChunk:
@@ -93,10 +96,10 @@ class Slots:
         self.nbytes, self.device = nbytes, device
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.cuda = device.type == "cuda"
-        self.free: List[Optional[torch.cuda.Event]] = [None, None]  # the last copy back out of each slot
+        self.free: list[torch.cuda.Event | None] = [None, None]  # the last copy back out of each slot
         # (chunk, event of its copy in) whose state a slot holds: a chunk still there, or prefetched, is not
         # copied in again (after its copy back, a slot holds the same bytes as the chunk's host memory)
-        self.resident: List[Optional[Tuple[OffloadChunk, Optional[torch.cuda.Event]]]] = [None, None]
+        self.resident: list[tuple[OffloadChunk, torch.cuda.Event | None] | None] = [None, None]
         if self.cuda:
             self.h2d, self.d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
@@ -116,12 +119,12 @@ class Slots:
         with torch.cuda.stream(self.h2d):
             if self.free[c.slot] is not None:
                 self.h2d.wait_event(self.free[c.slot])
-            self.buffers[c.slot][:c.nbytes].copy_(c.host, non_blocking=True)
+            self.buffers[c.slot][: c.nbytes].copy_(c.host, non_blocking=True)
             event = self.h2d.record_event()
         self.resident[c.slot] = (c, event)
         return event
 
-    def _loaded(self, c: OffloadChunk) -> Optional[torch.cuda.Event]:
+    def _loaded(self, c: OffloadChunk) -> torch.cuda.Event | None:
         """The event after which ``c``'s state is in its slot, copying it in unless it is there already (None:
         it has been there since its last update)."""
         held = self.resident[c.slot]
@@ -138,7 +141,7 @@ class Slots:
         """Stream ``chunks`` through the slots: copy in, ``launch(chunk.plan)``, copy back."""
         if not self.cuda:  # Triton's interpreter on the CPU: the same data movement, synchronous
             for c in chunks:
-                slot = self.buffers[c.slot][:c.nbytes]
+                slot = self.buffers[c.slot][: c.nbytes]
                 slot.copy_(c.host)
                 launch(c.plan)
                 c.host.copy_(slot)
@@ -152,15 +155,23 @@ class Slots:
             updated = main.record_event()
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(updated)
-                c.host.copy_(self.buffers[c.slot][:c.nbytes], non_blocking=True)
+                c.host.copy_(self.buffers[c.slot][: c.nbytes], non_blocking=True)
                 self.free[c.slot] = self.d2h.record_event()
             self.resident[c.slot] = (c, None)  # its bytes, as its host memory will hold them
             if i + 2 < len(chunks):
                 loaded.append(self._loaded(chunks[i + 2]))
 
 
-def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: FusedRule, slots: Slots,
-                   interpreter: bool, rounding, first_slot: int = 0) -> Tuple[List[OffloadChunk], List[int]]:
+def plan_offloaded(
+    cache: dict,
+    params: list[Tensor],
+    states: list[dict],
+    rule: FusedRule,
+    slots: Slots,
+    interpreter: bool,
+    rounding,
+    first_slot: int = 0,
+) -> tuple[list[OffloadChunk], list[int]]:
     """The chunks that step ``params`` (all planned by :func:`~torchao_optim.optim.fused.plan_key`; their
     ``rule.state_keys`` states on the meta device where not yet created) from one arena, reused from
     ``cache`` while the same parameters have gradients under the same rule and the same slots; and the indexes
@@ -176,13 +187,13 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
     if rest:
         return [], rest
     slots.forget()  # the old arena may still be receiving the last step's copies
-    buckets: Dict[tuple, List[int]] = {}
+    buckets: dict[tuple, list[int]] = {}
     for i, k in enumerate(keys):
         buckets.setdefault(k, []).append(i)
     # greedy chunks of at most slots.nbytes, parameters in their group's order within each plan key
-    layout: List[Tuple[tuple, List[int], int]] = []  # (plan key, indexes, bytes)
+    layout: list[tuple[tuple, list[int], int]] = []  # (plan key, indexes, bytes)
     for k, idx in buckets.items():
-        current: List[int] = []
+        current: list[int] = []
         size = 0
         for i in idx:
             n = sum(state_nbytes(states[i][name]) for name in rule.state_keys)
@@ -213,11 +224,10 @@ def plan_offloaded(cache: Dict, params: List[Tensor], states: List[dict], rule: 
             shadows.append(shadow)
         chunk_params = [params[i] for i in idx]
         # pdl=False: its update follows a copy into its slot, so it starts when everything before it is done
-        plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None,
-                         pdl=False)
+        plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None, pdl=False)
         for i, shadow in zip(idx, shadows):
             states[i]["step"] = shadow["step"]  # an alias into the plan's step counts
-        chunks.append(OffloadChunk(plan, arena[start:start + size], slot))
+        chunks.append(OffloadChunk(plan, arena[start : start + size], slot))
         start += size
     cache.clear()
     # recorded after the states were moved into the arena and their steps re-pointed at the plans' counters

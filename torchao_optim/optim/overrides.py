@@ -20,10 +20,12 @@ bitsandbytes' convention is honoured where bitsandbytes is installed: ``bnb.nn.S
 ``min_8bit_size`` becomes ``min_quant_size``. Other keys of such an override (lr, betas, eps, weight_decay) are
 passed on as group options.
 """
+
 from __future__ import annotations
 
 import fnmatch
-from typing import Any, Dict, List, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,23 +35,27 @@ __all__ = ["overrides", "bitsandbytes_overrides"]
 _BNB_PASSED_ON = ("lr", "betas", "eps", "weight_decay")
 
 
-def _options(value: Any, key: Any) -> Dict[str, Any]:
+def _options(value: Any, key: Any) -> dict[str, Any]:
     if isinstance(value, str):
         return {"state_format": value}
     if isinstance(value, Mapping) and "params" not in value:
         return dict(value)
-    raise ValueError(f"override for {key!r}: expected a state format name or a dict of group options (without "
-                     f"'params'), got {value!r}")
+    raise ValueError(
+        f"override for {key!r}: expected a state format name or a dict of group options (without "
+        f"'params'), got {value!r}"
+    )
 
 
 def _check_key(key: Any) -> None:
     if isinstance(key, (str, Tensor)) or (isinstance(key, type) and issubclass(key, torch.nn.Module)):
         return
-    raise ValueError(f"override key {key!r}: expected a name pattern (str), a module type (a torch.nn.Module "
-                     f"subclass) or a parameter")
+    raise ValueError(
+        f"override key {key!r}: expected a name pattern (str), a module type (a torch.nn.Module "
+        f"subclass) or a parameter"
+    )
 
 
-def bitsandbytes_overrides(model: torch.nn.Module) -> Dict[int, Dict[str, Any]]:
+def bitsandbytes_overrides(model: torch.nn.Module) -> dict[int, dict[str, Any]]:
     """``{id(parameter): group options}`` from bitsandbytes' ``GlobalOptimManager`` for ``model``'s parameters,
     or ``{}`` without bitsandbytes. ``optim_bits=32`` means fp32 state (``state_format="none"``)."""
     try:
@@ -57,7 +63,7 @@ def bitsandbytes_overrides(model: torch.nn.Module) -> Dict[int, Dict[str, Any]]:
     except Exception:  # not installed, or it fails to load (no GPU library): nothing to honour
         return {}
     manager = GlobalOptimManager.get_instance()
-    found: Dict[int, Dict[str, Any]] = {}
+    found: dict[int, dict[str, Any]] = {}
     for module, name, config in getattr(manager, "module_weight_config_triple", []):
         p = getattr(module, name, None)
         if isinstance(p, Tensor):
@@ -79,8 +85,13 @@ def bitsandbytes_overrides(model: torch.nn.Module) -> Dict[int, Dict[str, Any]]:
     return out
 
 
-def overrides(model: torch.nn.Module, rules: Optional[Mapping[Any, Any]] = None, *, bitsandbytes: bool = True,
-              defaults: Optional[Mapping[str, Any]] = None) -> List[Dict[str, Any]]:
+def overrides(
+    model: torch.nn.Module,
+    rules: Mapping[Any, Any] | None = None,
+    *,
+    bitsandbytes: bool = True,
+    defaults: Mapping[str, Any] | None = None,
+) -> list[dict[str, Any]]:
     """Parameter groups for ``model`` with the state of chosen parameters stored otherwise.
 
     Args:
@@ -101,19 +112,18 @@ def overrides(model: torch.nn.Module, rules: Optional[Mapping[Any, Any]] = None,
         _check_key(key)
     by_param = {id(k): _options(v, k) for k, v in rules.items() if isinstance(k, Tensor)}
     ordered = [(k, _options(v, k)) for k, v in rules.items() if not isinstance(k, Tensor)]
-    owner: Dict[int, torch.nn.Module] = {}
+    owner: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owner.setdefault(id(p), module)
     bnb = bitsandbytes_overrides(model) if bitsandbytes else {}
 
-    groups: Dict[Any, Dict[str, Any]] = {}
+    groups: dict[Any, dict[str, Any]] = {}
     for name, p in model.named_parameters():
         options = by_param.get(id(p))
         if options is None:
             for key, opts in ordered:
-                hit = (fnmatch.fnmatchcase(name, key) if isinstance(key, str)
-                       else isinstance(owner.get(id(p)), key))
+                hit = fnmatch.fnmatchcase(name, key) if isinstance(key, str) else isinstance(owner.get(id(p)), key)
                 if hit:
                     options = opts
                     break

@@ -14,11 +14,12 @@ The optimizer keeps its class (the wrapper is a subclass made for it, so ``isins
 ``state_dict``/``load_state_dict``, lr schedulers, step hooks (run once per step, not per chunk) and
 closures (evaluated once per step).
 """
+
 from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -44,10 +45,10 @@ def quantize_optimizer_state(
     state_format: str = "dtq8",
     min_quant_size: int = 4096,
     *,
-    block_size: Optional[int] = None,
+    block_size: int | None = None,
     chunk_numel: int = DEFAULT_CHUNK_NUMEL,
     compile: bool = True,
-    format: Optional[str] = None,
+    format: str | None = None,
 ) -> torch.optim.Optimizer:
     """Make a stock ``torch.optim`` optimizer keep its state in a low-bit format; returns ``optimizer``.
 
@@ -77,20 +78,29 @@ def quantize_optimizer_state(
         format (str, optional): the former name of ``state_format``, accepted with a ``DeprecationWarning``.
     """
     if format is not None:
-        warnings.warn("quantize_optimizer_state(format=...) is deprecated: use state_format=, as every optimizer "
-                      "of the library names it", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "quantize_optimizer_state(format=...) is deprecated: use state_format=, as every optimizer "
+            "of the library names it",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         state_format = format
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"quantize_optimizer_state expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, _QuantizedStep):
-        raise ValueError(f"this {type(optimizer).__name__} already keeps quantized state "
-                         f"({optimizer._quantized_state['format']!r})")
+        raise ValueError(
+            f"this {type(optimizer).__name__} already keeps quantized state ({optimizer._quantized_state['format']!r})"
+        )
     if getattr(optimizer, "_quantized_state_native", False):
-        raise ValueError(f"{type(optimizer).__name__} is one of torchao_optim's optimizers: its state is "
-                         f"quantized already (choose it with state_format=)")
+        raise ValueError(
+            f"{type(optimizer).__name__} is one of torchao_optim's optimizers: its state is "
+            f"quantized already (choose it with state_format=)"
+        )
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("quantize_optimizer_state cannot run LBFGS: its step re-evaluates the closure over all "
-                         "parameters at once, and its state is a history of flat vectors, not per-parameter tensors")
+        raise ValueError(
+            "quantize_optimizer_state cannot run LBFGS: its step re-evaluates the closure over all "
+            "parameters at once, and its state is a history of flat vectors, not per-parameter tensors"
+        )
     fmt = get_state_format(state_format)  # ValueError naming the registered formats
     if not isinstance(min_quant_size, int) or isinstance(min_quant_size, bool) or min_quant_size < 0:
         raise ValueError(f"Invalid min_quant_size: {min_quant_size!r}")
@@ -101,8 +111,13 @@ def quantize_optimizer_state(
     fmt.check_attrs((fmt.default_block_size,), **fmt._attrs(signed=True, block_size=block_size))
 
     base = type(optimizer)
-    optimizer._quantized_state = {"format": state_format, "min_quant_size": min_quant_size, "block_size": block_size,
-                                  "chunk_numel": chunk_numel, "compile": bool(compile)}
+    optimizer._quantized_state = {
+        "format": state_format,
+        "min_quant_size": min_quant_size,
+        "block_size": block_size,
+        "chunk_numel": chunk_numel,
+        "compile": bool(compile),
+    }
     optimizer.__class__ = _subclass_for(base)
     optimizer._patch_step_function()  # step pre/post hooks around the whole (chunked) step
     step = optimizer.__dict__.get("step")
@@ -114,7 +129,7 @@ def quantize_optimizer_state(
     return optimizer
 
 
-def _check_group(optimizer, group: Dict[str, Any], index: int) -> None:
+def _check_group(optimizer, group: dict[str, Any], index: int) -> None:
     name = type(optimizer).__name__
     if group.get("state_format", "none") != "none":
         try:
@@ -122,22 +137,31 @@ def _check_group(optimizer, group: Dict[str, Any], index: int) -> None:
         except ValueError as err:
             raise ValueError(f"param group {index}: {err}") from None
     if group.get("fused"):
-        raise ValueError(f"param group {index}: quantize_optimizer_state cannot run {name}(fused=True): its fused "
-                         f"kernel keeps fp32 state. Use {name}(..., foreach=True) (quantized state, one fp32 chunk "
-                         f"at a time), or torchao_optim.AdamW(fused=None), whose fused CUDA kernel reads quantized "
-                         f"state directly")
+        raise ValueError(
+            f"param group {index}: quantize_optimizer_state cannot run {name}(fused=True): its fused "
+            f"kernel keeps fp32 state. Use {name}(..., foreach=True) (quantized state, one fp32 chunk "
+            f"at a time), or torchao_optim.AdamW(fused=None), whose fused CUDA kernel reads quantized "
+            f"state directly"
+        )
     for key in ("capturable", "differentiable"):
         if group.get(key):
-            raise ValueError(f"param group {index}: quantize_optimizer_state cannot run {name}({key}=True): the "
-                             f"quantized step allocates fp32 copies and requantizes"
-                             + (", which a CUDA graph cannot capture" if key == "capturable"
-                                else ", which autograd cannot differentiate") + f"; pass {key}=False")
+            raise ValueError(
+                f"param group {index}: quantize_optimizer_state cannot run {name}({key}=True): the "
+                f"quantized step allocates fp32 copies and requantizes"
+                + (
+                    ", which a CUDA graph cannot capture"
+                    if key == "capturable"
+                    else ", which autograd cannot differentiate"
+                )
+                + f"; pass {key}=False"
+            )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _subclass_for(base: type) -> type:
-    return type(base.__name__, (_QuantizedStep, base), {"__module__": base.__module__,
-                                                         "__qualname__": base.__qualname__})
+    return type(
+        base.__name__, (_QuantizedStep, base), {"__module__": base.__module__, "__qualname__": base.__qualname__}
+    )
 
 
 def _scheduler_tracked(optimizer):
@@ -164,7 +188,7 @@ def _raw_step(cls: type):
 class _QuantizedStep:
     """Mixed in before a stock optimizer class by :func:`quantize_optimizer_state`."""
 
-    _quantized_state: Dict[str, Any]
+    _quantized_state: dict[str, Any]
 
     def __reduce_ex__(self, protocol):
         # pickle and copy.deepcopy: rebuilt from the stock class, then converted again (the state stays quantized)
@@ -172,7 +196,7 @@ class _QuantizedStep:
         state["_quantized_state"] = self._quantized_state
         return (_rebuild, (type(self).__mro__[2], state))
 
-    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         try:
             _check_group(self, self.param_groups[-1], len(self.param_groups) - 1)
@@ -211,7 +235,7 @@ class _QuantizedStep:
                 g["params"] = params
         return loss
 
-    def _dequantize(self, params: List[Tensor]) -> Dict[tuple, QuantizedState]:
+    def _dequantize(self, params: list[Tensor]) -> dict[tuple, QuantizedState]:
         """Replace the quantized states of ``params`` by fp32 tensors; return the quantized ones by (param, key)."""
         held = {}
         for p in params:
@@ -222,7 +246,7 @@ class _QuantizedStep:
                     state[key] = value.dequantize(value.dtype)  # the dtype the step saw before
         return held
 
-    def _requantize(self, group, params: List[Tensor], held: Dict[tuple, QuantizedState]) -> None:
+    def _requantize(self, group, params: list[Tensor], held: dict[tuple, QuantizedState]) -> None:
         """Write the fp32 states of ``params`` back: into the quantized tensor each came from (one rounding), or,
         for a state the step just created, into a new one."""
         for p in params:
@@ -237,7 +261,7 @@ class _QuantizedStep:
                     _quantize_one(self, group, p, state, key)
 
 
-def _rebuild(base: type, state: Dict[str, Any]):
+def _rebuild(base: type, state: dict[str, Any]):
     state = dict(state)
     options = state.pop("_quantized_state")
     optimizer = base.__new__(base)
@@ -266,7 +290,7 @@ def _write(q: QuantizedState, value: Tensor, compile: bool) -> None:
     _REQUANTIZE(alias(q, shape), alias(value, shape))
 
 
-def _chunks(params: List[Tensor], limit: int) -> List[List[Tensor]]:
+def _chunks(params: list[Tensor], limit: int) -> list[list[Tensor]]:
     out, current, size = [], [], 0
     for p in params:
         if current and size + p.numel() > limit:
@@ -283,16 +307,25 @@ def _storage(optimizer, group) -> tuple:
     """(format name, min_quant_size, block_size) for ``group``: its own ``state_format``, ``min_quant_size`` and
     ``block_size`` where it has them (:func:`torchao_optim.overrides` groups), else the conversion's."""
     opts = optimizer._quantized_state
-    return (group.get("state_format", opts["format"]), group.get("min_quant_size", opts["min_quant_size"]),
-            group.get("block_size", opts["block_size"]))
+    return (
+        group.get("state_format", opts["format"]),
+        group.get("min_quant_size", opts["min_quant_size"]),
+        group.get("block_size", opts["block_size"]),
+    )
 
 
-def _quantize_one(optimizer, group, p: Tensor, state: Dict[str, Any], key: str) -> None:
+def _quantize_one(optimizer, group, p: Tensor, state: dict[str, Any], key: str) -> None:
     """Quantize ``state[key]`` in place of the plain tensor if it is one this optimizer stores quantized."""
     value = state[key]
     format_name, min_quant_size, block_size = _storage(optimizer, group)
-    if (type(value) is not Tensor or not value.is_floating_point() or value.shape != p.shape or format_name == "none"
-            or value.numel() < max(min_quant_size, 1) or value.dtype == torch.float64):
+    if (
+        type(value) is not Tensor
+        or not value.is_floating_point()
+        or value.shape != p.shape
+        or format_name == "none"
+        or value.numel() < max(min_quant_size, 1)
+        or value.dtype == torch.float64
+    ):
         return
     fmt = get_state_format(format_name)
     signed = key not in UNSIGNED_STATE_KEYS

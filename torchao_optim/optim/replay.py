@@ -22,13 +22,16 @@ off; results are bit-identical either way.
 A replayed step whose group then steps again unchanged takes a shorter road (:class:`Steady`): what the
 signature and the fused plans depend on is checked in a few passes over the parameters in C (the gradients'
 addresses, which also say that every parameter has one; the parameters' ids and addresses; the group's
-settings and the optimizer's state by identity), and the graph is replayed. Anything else goes the whole way, which decides again.
+settings and the optimizer's state by identity), and the graph is replayed. Anything else goes the whole way, which
+decides again.
 """
+
 from __future__ import annotations
 
 import operator
 import warnings
-from typing import Any, Callable, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -46,13 +49,13 @@ class StepGraph:
     """The captured step of one parameter group on one CUDA device, and the signature it was captured for."""
 
     def __init__(self):
-        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.graph: torch.cuda.CUDAGraph | None = None
         self.signature: Any = None
         self.keep: Any = None  # the objects whose ids the signature holds: alive, so no id is reused
         self.seen: Any = None
         self.repeats = 0
         self.failed = False
-        self.steady: Optional[Steady] = None  # set by the optimizer after a replay it may repeat unchecked
+        self.steady: Steady | None = None  # set by the optimizer after a replay it may repeat unchecked
 
     def run(self, signature, keep, work: Callable[[], None], device: torch.device) -> bool:
         """Do ``work`` (the group's launches) for this step: replayed, captured and replayed, or called.
@@ -87,7 +90,7 @@ class StepGraph:
             with torch.cuda.device(device):
                 self.graph.replay()
 
-    def _capture(self, work: Callable[[], None], device: torch.device) -> Optional[torch.cuda.CUDAGraph]:
+    def _capture(self, work: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph | None:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.device(device):
             stream = torch.cuda.Stream()
@@ -103,9 +106,13 @@ class StepGraph:
             except Exception as err:  # noqa: BLE001 - any failure means: step from Python, as before
                 self.failed = True
                 reason = " ".join(str(err).split())[:300]
-                warnings.warn(f"torchao_optim: could not capture a parameter group's step in a CUDA graph "
-                              f"({type(err).__name__}: {reason}); it steps without one from now on (correct, with "
-                              f"more host time per step)", RuntimeWarning, stacklevel=4)
+                warnings.warn(
+                    f"torchao_optim: could not capture a parameter group's step in a CUDA graph "
+                    f"({type(err).__name__}: {reason}); it steps without one from now on (correct, with "
+                    f"more host time per step)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
                 return None
             finally:
                 torch.cuda.current_stream().wait_stream(stream)
@@ -121,8 +128,16 @@ class Steady:
     compared); every other key's value must be the very same object.
     """
 
-    def __init__(self, group: dict, param_addresses: tuple, grad_addresses: tuple, plans: Sequence,
-                 device: torch.device, data_keys: set, snapshot: StateSnapshot):
+    def __init__(
+        self,
+        group: dict,
+        param_addresses: tuple,
+        grad_addresses: tuple,
+        plans: Sequence,
+        device: torch.device,
+        data_keys: set,
+        snapshot: StateSnapshot,
+    ):
         self.snapshot = snapshot  # the optimizer's state as the plans were made from it (optim/snapshot.py)
         self.params = group["params"]
         self.ids = tuple(map(id, self.params))
@@ -143,7 +158,7 @@ class Steady:
             return lambda values, i=positions[0]: (values[i],)
         return operator.itemgetter(*positions) if positions else (lambda values: ())
 
-    def grads_if_unchanged(self, group: dict) -> Optional[Tuple[tuple, tuple]]:
+    def grads_if_unchanged(self, group: dict) -> tuple[tuple, tuple] | None:
         """The gradients of ``group``'s parameters and their addresses if nothing the recorded step depended on
         differs, else None. (The gradients may have moved, or become views: the plans' refresh_grads follows
         the first and refuses the second, from these same tensors: each ``p.grad`` is read once a step.)"""
@@ -155,7 +170,10 @@ class Steady:
             addresses = tuple(map(Tensor.data_ptr, grads))
         except (TypeError, RuntimeError):
             return None
-        if (tuple(map(id, params)) != self.ids or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
-                or not all(map(operator.is_, self.settings(tuple(group.values())), self.values))):
+        if (
+            tuple(map(id, params)) != self.ids
+            or tuple(map(Tensor.data_ptr, params)) != self.param_addresses
+            or not all(map(operator.is_, self.settings(tuple(group.values())), self.values))
+        ):
             return None
         return grads, addresses

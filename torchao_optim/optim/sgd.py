@@ -1,4 +1,5 @@
 """SGD with its momentum buffer in a low-bit state format: a drop-in replacement for ``torch.optim.SGD``."""
+
 from __future__ import annotations
 
 from torch import Tensor
@@ -15,8 +16,10 @@ def _check(lr, momentum, dampening, weight_decay, nesterov) -> None:
     check_number("dampening", dampening, tensor_ok=False)
     check_number("weight_decay value", weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(f"Nesterov momentum requires a momentum and zero dampening, got momentum={momentum!r}, "
-                         f"dampening={dampening!r}")
+        raise ValueError(
+            f"Nesterov momentum requires a momentum and zero dampening, got momentum={momentum!r}, "
+            f"dampening={dampening!r}"
+        )
 
 
 class SGD8bit(LowBitOptimizer):
@@ -49,18 +52,51 @@ class SGD8bit(LowBitOptimizer):
     STEP_OPTIONAL = True
     update_fn = staticmethod(sgd_update)
 
-    def __init__(self, params, lr=1e-3, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
-                 maximize=False, state_format="dtq8", block_size=None, min_quant_size=4096, compile=True,
-                 fused=None, foreach=None, capturable=False, differentiable=False, bf16_stochastic_round=False,
-                 offload_state=False):
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        momentum=0.0,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        *,
+        maximize=False,
+        state_format="dtq8",
+        block_size=None,
+        min_quant_size=4096,
+        compile=True,
+        fused=None,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        bf16_stochastic_round=False,
+        offload_state=False,
+    ):
         _check(lr, momentum, dampening, weight_decay, nesterov)
         check_storage(block_size, min_quant_size)
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-                        maximize=maximize, state_format=state_format, block_size=block_size,
-                        min_quant_size=min_quant_size)
-        super().__init__(params, defaults, compile=compile, fused=fused, foreach=foreach, capturable=capturable,
-                         differentiable=differentiable,
-                         bf16_stochastic_round=bf16_stochastic_round, offload_state=offload_state)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            state_format=state_format,
+            block_size=block_size,
+            min_quant_size=min_quant_size,
+        )
+        super().__init__(
+            params,
+            defaults,
+            compile=compile,
+            fused=fused,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            bf16_stochastic_round=bf16_stochastic_round,
+            offload_state=offload_state,
+        )
 
     def _check_hyperparams(self, group) -> None:
         for key in ("momentum", "dampening", "weight_decay"):
@@ -87,5 +123,6 @@ class SGD8bit(LowBitOptimizer):
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         buf = state.get("momentum_buffer") if group["momentum"] != 0 else None
         with flat_aliases(p, p.grad, [buf]) as (p, grad, (buf,)):
-            self._update(p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"],
-                         round_key=round_key)
+            self._update(
+                p, grad, buf, coefs, nesterov=group["nesterov"], maximize=group["maximize"], round_key=round_key
+            )

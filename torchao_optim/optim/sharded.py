@@ -14,16 +14,25 @@ are exactly a slice of those of the whole tensor, and a checkpoint holds the sam
 A parameter none of whose rows is a whole number of such blocks (a 1-D bias, a row of 100 elements) keeps
 plain fp32 state, on one rank as on eight.
 """
+
 from __future__ import annotations
 
 import math
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "local", "quantizable_sharding", "row_aligned_block_size", "like_param", "local_part",
-           "local_rows", "element_offset"]
+__all__ = [
+    "is_dtensor",
+    "local",
+    "quantizable_sharding",
+    "row_aligned_block_size",
+    "like_param",
+    "local_part",
+    "local_rows",
+    "element_offset",
+]
 
 
 # How far the rule may shrink a format's block (a scale per 32 elements for 256-element blocks: 1.125 bytes
@@ -39,7 +48,7 @@ def is_dtensor(t) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
-def local(t: Optional[Tensor]) -> Optional[Tensor]:
+def local(t: Tensor | None) -> Tensor | None:
     """The local tensor of a DTensor (no copy, no communication); any other tensor as it is."""
     return t.to_local() if is_dtensor(t) else t
 
@@ -52,7 +61,7 @@ def quantizable_sharding(placements: Sequence) -> bool:
     return all(type(pl) is Replicate or (type(pl) is Shard and pl.dim == 0) for pl in placements)
 
 
-def row_aligned_block_size(shape: Sequence[int], block_size: int) -> Optional[int]:
+def row_aligned_block_size(shape: Sequence[int], block_size: int) -> int | None:
     """The block size for the state of a sharded parameter of global ``shape``: ``block_size``, halved while
     it does not divide the row (``prod(shape[1:])``), down to ``block_size // MAX_SHRINK``; None when no such
     block fits (1-D and 0-d parameters, odd rows). Depends on the global shape only, never on the mesh."""
@@ -71,8 +80,9 @@ def like_param(p: Tensor, local_state: Tensor) -> Tensor:
     """``local_state`` (the state of ``p``'s local shard) as a DTensor laid out like ``p``."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local_state, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                              stride=p.stride())
+    return DTensor.from_local(
+        local_state, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def local_rows(p: Tensor) -> tuple:
@@ -82,8 +92,10 @@ def local_rows(p: Tensor) -> tuple:
     from torch.distributed.tensor import Shard
 
     if not quantizable_sharding(p.placements):
-        raise ValueError(f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
-                         f"Replicate() on every mesh dimension), not {tuple(p.placements)}")
+        raise ValueError(
+            f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
+            f"Replicate() on every mesh dimension), not {tuple(p.placements)}"
+        )
     mesh, start, rows = p.device_mesh, 0, p.shape[0]
     for dim, placement in enumerate(p.placements):
         if type(placement) is Shard:
@@ -91,8 +103,10 @@ def local_rows(p: Tensor) -> tuple:
             first = min(rows, dist.get_rank(mesh.get_group(dim)) * chunk)
             start, rows = start + first, min(rows, first + chunk) - first
     if rows != local(p).shape[0]:
-        raise ValueError(f"rows {start}:{start + rows} of {tuple(p.shape)} computed for this rank, but its shard "
-                         f"has {local(p).shape[0]} rows")
+        raise ValueError(
+            f"rows {start}:{start + rows} of {tuple(p.shape)} computed for this rank, but its shard "
+            f"has {local(p).shape[0]} rows"
+        )
     return start, rows
 
 
@@ -108,8 +122,10 @@ def local_part(p: Tensor, full: Tensor) -> Tensor:
     """The rows of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds (:func:`local_rows`),
     taken with ``narrow`` (a quantized ``full`` is sliced on its block boundaries by the op table)."""
     if not quantizable_sharding(p.placements):
-        raise ValueError(f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
-                         f"Replicate() on every mesh dimension), not {tuple(p.placements)}")
+        raise ValueError(
+            f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
+            f"Replicate() on every mesh dimension), not {tuple(p.placements)}"
+        )
     if len(p.shape) == 0:
         return full
     start, rows = local_rows(p)

@@ -12,11 +12,12 @@ again.
 The caches also hold the storages of every tensor they point at (:func:`storages`), so that even a change this
 cannot see (a state tensor's ``.data`` or ``set_`` replaced in place) never makes a kernel write freed memory.
 """
+
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain
-from typing import Iterable, Iterator, List, Optional, Sequence
 
 from torch import Tensor
 
@@ -43,7 +44,7 @@ class StateSnapshot:
 
     __slots__ = ("dicts", "values", "state_map", "map_values")
 
-    def __init__(self, dicts: Sequence[dict], state_map: Optional[dict] = None):
+    def __init__(self, dicts: Sequence[dict], state_map: dict | None = None):
         self.dicts = tuple(dicts)
         self.values = tuple(_all_values(self.dicts))
         self.state_map = state_map
@@ -56,11 +57,14 @@ class StateSnapshot:
     def holds(self, state_map: dict) -> bool:
         """Whether ``state_map`` is the recorded ``state`` holding the recorded dicts (nothing replaced, removed or
         added), and those hold the recorded values."""
-        return (state_map is self.state_map and same_objects(tuple(state_map.values()), self.map_values)
-                and all(map(operator.is_, _all_values(self.dicts), self.values)))
+        return (
+            state_map is self.state_map
+            and same_objects(tuple(state_map.values()), self.map_values)
+            and all(map(operator.is_, _all_values(self.dicts), self.values))
+        )
 
 
-def storages(tensors: Iterable[Optional[Tensor]]) -> List[object]:
+def storages(tensors: Iterable[Tensor | None]) -> list[object]:
     """The storages of ``tensors`` (None skipped): held by whoever points a kernel at their memory, so that the
     memory stays allocated while it may still be written."""
     return [t.untyped_storage() for t in tensors if t is not None]

@@ -21,18 +21,18 @@ optimizers), so creating states on the first step and finding the tensors to han
 ``torch.optim`` under ``torch.compile``, a learning rate changed as a Python float recompiles the step; a tensor lr
 does not.
 """
+
 from __future__ import annotations
 
 import itertools
 import weakref
-from typing import List
 
 import torch
 from torch import Tensor
 
 __all__ = ["register", "step_group"]
 
-_OPTIMIZERS: "weakref.WeakValueDictionary[int, torch.optim.Optimizer]" = weakref.WeakValueDictionary()
+_OPTIMIZERS: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 
 
@@ -44,15 +44,15 @@ def register(optimizer) -> int:
 
 
 @torch.library.custom_op("torchao_optim::step_", mutates_args=("params", "tensors"))
-def step_group(params: List[Tensor], grads: List[Tensor], tensors: List[Tensor], optimizer: int,
-               group: int) -> None:
+def step_group(params: list[Tensor], grads: list[Tensor], tensors: list[Tensor], optimizer: int, group: int) -> None:
     """One step of parameter group ``group`` of the optimizer registered as ``optimizer``: ``params`` are the
     group's parameters that have a gradient, ``grads`` those gradients, ``tensors`` the tensors holding their
     states, in the order of the optimizer's ``_group_tensors``."""
     opt = _OPTIMIZERS.get(optimizer)
     if opt is None:
-        raise RuntimeError(f"torchao_optim::step_: optimizer {optimizer} no longer exists (a compiled step outlived "
-                           f"its optimizer)")
+        raise RuntimeError(
+            f"torchao_optim::step_: optimizer {optimizer} no longer exists (a compiled step outlived its optimizer)"
+        )
     opt._step_group_with(opt.param_groups[group], params, grads, tensors)
 
 

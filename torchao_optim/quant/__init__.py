@@ -1,4 +1,5 @@
 """Pure quantization functions: codebooks, the O(1) encoder and blockwise absmax quantization."""
+
 from torchao_optim.quant.blockwise import (
     as_blocks,
     block_absmax,

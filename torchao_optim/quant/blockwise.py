@@ -9,16 +9,23 @@ CUDA kernel computes exactly the same expressions, so both give the same codes b
 Non-finite input never leaks into the rest of its block: ``absmax`` is taken over finite values only, NaN
 quantizes to 0 and +/-Inf saturates to the largest code of its sign.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Tuple
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from torchao_optim.quant.codec import bucket_tables, decision_boundaries, encode, encode_search, pack_nibbles, \
-    unpack_nibbles
+from torchao_optim.quant.codec import (
+    bucket_tables,
+    decision_boundaries,
+    encode,
+    encode_search,
+    pack_nibbles,
+    unpack_nibbles,
+)
 
 __all__ = [
     "n_blocks",
@@ -67,8 +74,8 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(dim=1)
 
 
-@functools.lru_cache(maxsize=None)
-def _table(values: Tuple[float, ...], device: torch.device) -> torch.Tensor:
+@functools.cache
+def _table(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -122,16 +129,24 @@ def quantize_nearest_search(y: torch.Tensor, codebook: Sequence[float], never_ze
     return encode_search(y, bounds).to(torch.uint8)
 
 
-def quantize_blockwise(x: torch.Tensor, codebook: Sequence[float], block_size: int, never_zero: bool = False,
-                       bits: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
+def quantize_blockwise(
+    x: torch.Tensor, codebook: Sequence[float], block_size: int, never_zero: bool = False, bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, absmax): flat uint8 codes (4-bit codes two per byte) and fp32 absmax (n_blocks,)."""
     absmax = block_absmax(x, block_size)
     codes = quantize_nearest(normalize(x, absmax, block_size), codebook, never_zero)
     return (codes if bits == 8 else pack_nibbles(codes)), absmax
 
 
-def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, codebook: Sequence[float], block_size: int,
-                         shape, dtype=torch.float32, bits: int = 8) -> torch.Tensor:
+def dequantize_blockwise(
+    codes: torch.Tensor,
+    absmax: torch.Tensor,
+    codebook: Sequence[float],
+    block_size: int,
+    shape,
+    dtype=torch.float32,
+    bits: int = 8,
+) -> torch.Tensor:
     """Inverse of :func:`quantize_blockwise`: codebook value times block absmax, of ``shape`` and ``dtype``."""
     numel = 1
     for d in shape:  # symbolic under torch.compile(dynamic=True): a plain product, not torch.Size.numel

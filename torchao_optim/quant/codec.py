@@ -35,35 +35,46 @@ from it is wherever the result can reach 0 or above (:func:`grid_bits`; the fuse
 codebook: a multiply-add and a conversion that rounds up and saturates at 0, instead of a table load; ``y <= 1``
 needs no clamp at the top).
 """
+
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
 
 import torch
 
-__all__ = ["BucketTables", "bucket_tables", "decision_boundaries", "encode", "encode_search", "flat_keyed",
-           "grid_bits", "nibble_pairs", "pack_nibbles", "unpack_nibbles"]
+__all__ = [
+    "BucketTables",
+    "bucket_tables",
+    "decision_boundaries",
+    "encode",
+    "encode_search",
+    "flat_keyed",
+    "grid_bits",
+    "nibble_pairs",
+    "pack_nibbles",
+    "unpack_nibbles",
+]
 
 _MANTISSA_BITS = 23
 _MAX_BUCKET_BITS = 12  # per exponent; a codebook needing more has values closer than 2**-12 relative
 _SHIFT_BITS = 5  # level-1 entry: (offset << 5) | shift
 
 
-def _check_codebook(values: Tuple[float, ...]) -> torch.Tensor:
+def _check_codebook(values: tuple[float, ...]) -> torch.Tensor:
     table = torch.tensor(values, dtype=torch.float32)
     if table.dim() != 1 or not 2 <= table.numel() <= 256:
         raise ValueError(f"a codebook has 2 to 256 values, got {table.numel()}")
     if not torch.isfinite(table).all() or table.abs().max() > 1.0:
-        raise ValueError(f"codebook values must be finite and within [-1, 1], got min {table.min().item()}, "
-                         f"max {table.max().item()}")
+        raise ValueError(
+            f"codebook values must be finite and within [-1, 1], got min {table.min().item()}, max {table.max().item()}"
+        )
     if not torch.all(table[1:] >= table[:-1]):
         raise ValueError("codebook values must be sorted in ascending order")
     return table
 
 
-def decision_boundaries(values: Tuple[float, ...], never_zero: bool = False) -> torch.Tensor:
+def decision_boundaries(values: tuple[float, ...], never_zero: bool = False) -> torch.Tensor:
     """The fp32 boundaries ``B`` (``len(values) - 1`` of them) of the rule in the module docstring."""
     table = _check_codebook(tuple(values))
     bounds = (table[1:] + table[:-1]) / 2
@@ -124,9 +135,10 @@ class BucketTables:
         test and the comparison."""
         return _level2_keyed(self.level1, self.level2_packed)
 
-    def to(self, device) -> "BucketTables":
-        return BucketTables(*(t.to(device) for t in (self.level1, self.level2, self.bounds, self.level1_bits,
-                                                      self.level2_packed)))
+    def to(self, device) -> BucketTables:
+        return BucketTables(
+            *(t.to(device) for t in (self.level1, self.level2, self.bounds, self.level1_bits, self.level2_packed))
+        )
 
 
 def _level1_by_bits(level1: torch.Tensor) -> torch.Tensor:
@@ -181,7 +193,7 @@ def _level2_keyed(level1: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.where(out >= 2**31, out - 2**32, out).to(torch.int32)
 
 
-def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The smallest and largest ``y`` of every bucket of one exponent and sign (fp32, ascending in ``y``)."""
     shift = _MANTISSA_BITS - bucket_bits
     k = torch.arange(1 << bucket_bits, dtype=torch.int64)
@@ -194,7 +206,7 @@ def _bucket_ends(exponent: int, bucket_bits: int, negative: bool) -> Tuple[torch
     return lo_mag, hi_mag
 
 
-def _build_tables(values: Tuple[float, ...], never_zero: bool, min_bits: int = 0) -> BucketTables:
+def _build_tables(values: tuple[float, ...], never_zero: bool, min_bits: int = 0) -> BucketTables:
     """The tables, each exponent given the fewest mantissa bits (at least ``min_bits``) that separate its
     boundaries."""
     bounds = decision_boundaries(values, never_zero)
@@ -211,7 +223,8 @@ def _build_tables(values: Tuple[float, ...], never_zero: bool, min_bits: int = 0
             else:
                 raise ValueError(
                     f"codebook values are too close together near {first[0].item():.3g} for the O(1) encoder "
-                    f"({_MAX_BUCKET_BITS} mantissa bits per exponent)")
+                    f"({_MAX_BUCKET_BITS} mantissa bits per exponent)"
+                )
             # candidate: the code of the bucket's smallest y (for negatives, its largest magnitude)
             level2.append(lo_code.to(torch.uint8))
             level1[128 * negative + exponent] = (offset << _SHIFT_BITS) | (_MANTISSA_BITS - bits)
@@ -219,15 +232,16 @@ def _build_tables(values: Tuple[float, ...], never_zero: bool, min_bits: int = 0
     padded_bounds = torch.full((256,), float("inf"))
     padded_bounds[: len(values) - 1] = bounds
     level1, level2 = level1.to(torch.int32), torch.cat(level2)
-    return BucketTables(level1, level2, padded_bounds, _level1_by_bits(level1),
-                        _level2_with_bounds(level1, level2, padded_bounds))
+    return BucketTables(
+        level1, level2, padded_bounds, _level1_by_bits(level1), _level2_with_bounds(level1, level2, padded_bounds)
+    )
 
 
-_TABLES: Dict[tuple, BucketTables] = {}
-_LISTS: Dict[tuple, tuple] = {}  # the same tables as Python lists, to rebuild them under tracing
+_TABLES: dict[tuple, BucketTables] = {}
+_LISTS: dict[tuple, tuple] = {}  # the same tables as Python lists, to rebuild them under tracing
 
 
-def bucket_tables(values: Tuple[float, ...], never_zero: bool = False, device=None, like=None) -> BucketTables:
+def bucket_tables(values: tuple[float, ...], never_zero: bool = False, device=None, like=None) -> BucketTables:
     """The tables of :func:`encode` for one codebook, built once and cached per device.
 
     Raises ``ValueError`` for a codebook whose values are too close together for 12 mantissa bits per
@@ -244,25 +258,30 @@ def bucket_tables(values: Tuple[float, ...], never_zero: bool = False, device=No
     tracing = torch.compiler.is_compiling() or (like is not None and type(like) is not torch.Tensor)
     if tracing:
         if cpu is None:
-            raise RuntimeError("bucket_tables: the codebook's tables were not built before tracing; create a "
-                               "tensor of the format eagerly first")
+            raise RuntimeError(
+                "bucket_tables: the codebook's tables were not built before tracing; create a "
+                "tensor of the format eagerly first"
+            )
         dtypes = (torch.int32, torch.uint8, torch.float32, torch.int32, torch.int32)
-        return BucketTables(*(torch.tensor(values, dtype=dtype, device=device)
-                              for values, dtype in zip(_LISTS[key], dtypes)))
+        return BucketTables(
+            *(torch.tensor(values, dtype=dtype, device=device) for values, dtype in zip(_LISTS[key], dtypes))
+        )
     if cpu is None:
         cpu = _TABLES[key] = _build_tables(tuple(values), bool(never_zero))
-        _LISTS[key] = tuple(t.tolist() for t in (cpu.level1, cpu.level2, cpu.bounds, cpu.level1_bits,
-                                                 cpu.level2_packed))
+        _LISTS[key] = tuple(
+            t.tolist() for t in (cpu.level1, cpu.level2, cpu.bounds, cpu.level1_bits, cpu.level2_packed)
+        )
     return _on_device(key, device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _on_device(key: tuple, device: torch.device) -> BucketTables:
     return _TABLES[key].to(device)
 
 
-def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
-               max_bits: int = _MAX_BUCKET_BITS) -> Optional[Tuple[torch.Tensor, int]]:
+def flat_keyed(
+    values: tuple[float, ...], never_zero: bool = False, max_bits: int = _MAX_BUCKET_BITS
+) -> tuple[torch.Tensor, int] | None:
     """The encoder in one table load, for a codebook whose exponents each need at most ``max_bits`` mantissa
     bits; else None. Returns (``table``, ``shift``): int32 ``(512 << m,)`` with ``m = 23 - shift`` the most bits
     any exponent needs. For ``b``, ``y``'s fp32 bits, and ``f``, the same with the 23 mantissa bits flipped where
@@ -278,8 +297,8 @@ def flat_keyed(values: Tuple[float, ...], never_zero: bool = False,
     return _flat_table(values, bool(never_zero), m) if m <= max_bits else None
 
 
-@functools.lru_cache(maxsize=None)
-def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[torch.Tensor, int]:
+@functools.cache
+def _flat_table(values: tuple[float, ...], never_zero: bool, m: int) -> tuple[torch.Tensor, int]:
     rows = _build_tables(values, never_zero, min_bits=m).level2_keyed().view(2, 128, 1 << m)
     if min(values) < 0:  # indexed by y's own mantissa bits: for y < 0 the keyed rows' order (flipped bits) reversed
         rows = torch.stack([rows[0], rows[1].flip(-1)])
@@ -287,8 +306,8 @@ def _flat_table(values: Tuple[float, ...], never_zero: bool, m: int) -> Tuple[to
     return table, _MANTISSA_BITS - m
 
 
-@functools.lru_cache(maxsize=None)
-def grid_bits(values: Tuple[float, ...], never_zero: bool = False) -> int:
+@functools.cache
+def grid_bits(values: tuple[float, ...], never_zero: bool = False) -> int:
     """``k`` where the codebook is the even grid ``(i + 1) / 2**k``, ``i < 2**k`` (``k`` from 1 to 8), else 0. Its
     boundaries are then ``(i + 1.5) / 2**k``, exact in fp32, and its code arithmetic (module docstring, "No
     table"): ``y * 2**k`` is exact, and for ``a = y * 2**k >= 0.75`` so is ``a - 1.5`` (1.5 is a multiple of

@@ -7,17 +7,17 @@ smaller the decade, the fewer fraction bits it has. Zero and 1.0 complete the ma
 
 Formats quantize to it like to any other sorted codebook (:mod:`torchao_optim.quant.codec`).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Tuple
 
 import torch
 
 __all__ = ["create_dynamic_map", "dynamic_map_values"]
 
 
-def _decade_counts(signed: bool, max_exponent_bits: int, total_bits: int) -> Tuple[int, ...]:
+def _decade_counts(signed: bool, max_exponent_bits: int, total_bits: int) -> tuple[int, ...]:
     """Number of map values in each decade (positive side only), smallest decade first."""
     non_sign_bits = total_bits - 1
     counts = []
@@ -37,7 +37,7 @@ def _check_args(signed: bool, max_exponent_bits: int, total_bits: int) -> None:
     if n_values != 2**total_bits:
         raise ValueError(
             f"a dynamic map with signed={signed}, max_exponent_bits={max_exponent_bits}, total_bits={total_bits} "
-            f"has {n_values} values, not 2**total_bits = {2 ** total_bits}; choose another max_exponent_bits "
+            f"has {n_values} values, not 2**total_bits = {2**total_bits}; choose another max_exponent_bits "
             f"(for total_bits=4, max_exponent_bits=3 works signed and unsigned)"
         )
 
@@ -50,7 +50,7 @@ def _decade_points(i: int, count: int, max_exponent_bits: int) -> torch.Tensor:
     return mids * (10.0 ** (i - max_exponent_bits + 1))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _dynamic_map_cached(signed: bool, max_exponent_bits: int, total_bits: int) -> torch.Tensor:
     _check_args(signed, max_exponent_bits, total_bits)
     counts = _decade_counts(signed, max_exponent_bits, total_bits)
@@ -80,7 +80,7 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
     return _dynamic_map_cached(bool(signed), max_exponent_bits, total_bits).clone()
 
 
-@functools.lru_cache(maxsize=None)
-def dynamic_map_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tuple[float, ...]:
+@functools.cache
+def dynamic_map_values(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> tuple[float, ...]:
     """``create_dynamic_map(...)`` as a tuple of floats: the codebook a format hands to its layout."""
     return tuple(_dynamic_map_cached(bool(signed), max_exponent_bits, total_bits).tolist())

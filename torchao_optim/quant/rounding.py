@@ -19,6 +19,7 @@ which are the bf16 pattern (no float conversion, so subnormals survive on every 
 For a negative value the pattern's magnitude part grows just as for a positive one, so the rounding is away
 from zero with the right probability either way; values already representable in bf16 are unchanged.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,7 @@
 """Update rules: each written once in plain tensor code that does not know the state's format, and described as
 data (:class:`FusedRule`) for the fused kernels. Imports no optimizer and no kernel; Triton only in
 ``triton_updates.py``, which a rule's ``triton_update`` imports when a Triton kernel first needs it."""
+
 from torchao_optim.rules.adam import ADAM, COEFS, adam_coefficients, adam_update
 from torchao_optim.rules.base import FusedRule, finite_grad, store_param
 from torchao_optim.rules.lion import LION, LION_COEFS, lion_coefficients, lion_update
@@ -8,7 +9,22 @@ from torchao_optim.rules.muon import MUON_COEFS, muon_coefficients, muon_momentu
 from torchao_optim.rules.sgd import SGD, SGD_COEFS, sgd_coefficients, sgd_update
 
 __all__ = [
-    "FusedRule", "ADAM", "SGD", "LION", "COEFS", "SGD_COEFS", "LION_COEFS", "MUON_COEFS", "adam_coefficients",
-    "adam_update", "sgd_coefficients", "sgd_update", "lion_coefficients", "lion_update", "muon_coefficients",
-    "muon_momentum", "finite_grad", "store_param",
+    "FusedRule",
+    "ADAM",
+    "SGD",
+    "LION",
+    "COEFS",
+    "SGD_COEFS",
+    "LION_COEFS",
+    "MUON_COEFS",
+    "adam_coefficients",
+    "adam_update",
+    "sgd_coefficients",
+    "sgd_update",
+    "lion_coefficients",
+    "lion_update",
+    "muon_coefficients",
+    "muon_momentum",
+    "finite_grad",
+    "store_param",
 ]

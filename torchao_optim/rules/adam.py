@@ -7,10 +7,10 @@ dequantize -> update -> requantize chain of one parameter fuses into one kernel.
 ``v`` would overflow the state's dtype (a finite gradient beyond about 5.8e20 in fp32) is skipped as a
 non-finite gradient element is (:mod:`torchao_optim.rules.base`).
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -20,8 +20,7 @@ __all__ = ["ADAM", "COEFS", "adam_coefficients", "adam_update"]
 
 
 # Columns of the coefficient table both executors read, one row per parameter.
-COEFS = ("step_size", "inv_bias_correction2_sqrt", "weight_decay", "one_minus_beta1", "beta2", "one_minus_beta2",
-         "eps")
+COEFS = ("step_size", "inv_bias_correction2_sqrt", "weight_decay", "one_minus_beta1", "beta2", "one_minus_beta2", "eps")
 
 
 def adam_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, decoupled_weight_decay: bool) -> torch.Tensor:
@@ -51,13 +50,13 @@ def adam_update(
     grad: torch.Tensor,
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
-    max_exp_avg_sq: Optional[torch.Tensor],
+    max_exp_avg_sq: torch.Tensor | None,
     coefs: torch.Tensor,
     *,
     decoupled_weight_decay: bool,
     amsgrad: bool,
     maximize: bool,
-    round_key: Optional[torch.Tensor] = None,
+    round_key: torch.Tensor | None = None,
 ) -> None:
     """One Adam (``decoupled_weight_decay=False``) or AdamW step on one parameter, in place (``round_key``: see
     :func:`store_param`).
@@ -97,19 +96,28 @@ def adam_update(
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 
-@functools.lru_cache(maxsize=None)  # imported once: a launch asks for it every step
+@functools.cache  # imported once: a launch asks for it every step
 def _triton_update():
     from torchao_optim.rules.triton_updates import adam_tile_update
 
     return adam_tile_update
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_coefficients():
     from torchao_optim.rules.triton_updates import adam_coefs_kernel
 
     return adam_coefs_kernel
 
 
-ADAM = FusedRule("adam", ("exp_avg", "exp_avg_sq"), (True, False), COEFS, adam_coefficients, option="decoupled",
-                 triton_update=_triton_update, triton_coefficients=_triton_coefficients, c_name="adam")
+ADAM = FusedRule(
+    "adam",
+    ("exp_avg", "exp_avg_sq"),
+    (True, False),
+    COEFS,
+    adam_coefficients,
+    option="decoupled",
+    triton_update=_triton_update,
+    triton_coefficients=_triton_coefficients,
+    c_name="adam",
+)

@@ -10,10 +10,12 @@ Non-finite gradient elements are skipped by every rule: that element's parameter
 that we keep the element's state rather than zeroing it. An element whose new state would overflow the state's
 dtype is skipped the same way.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any
 
 import torch
 
@@ -51,19 +53,21 @@ class FusedRule:
     """
 
     name: str
-    state_keys: Tuple[str, ...]
-    signed: Tuple[bool, ...]
-    coefficient_names: Tuple[str, ...]
+    state_keys: tuple[str, ...]
+    signed: tuple[bool, ...]
+    coefficient_names: tuple[str, ...]
     coefficients: Callable[..., torch.Tensor]
-    option: Optional[str] = None
-    triton_update: Optional[Callable[[], Any]] = None
-    triton_coefficients: Optional[Callable[[], Any]] = None
-    c_name: Optional[str] = None
+    option: str | None = None
+    triton_update: Callable[[], Any] | None = None
+    triton_coefficients: Callable[[], Any] | None = None
+    c_name: str | None = None
 
     def __post_init__(self):
         if len(self.signed) != len(self.state_keys):
-            raise ValueError(f"rule {self.name!r}: {len(self.state_keys)} state keys {self.state_keys} but "
-                             f"{len(self.signed)} signs {self.signed}")
+            raise ValueError(
+                f"rule {self.name!r}: {len(self.state_keys)} state keys {self.state_keys} but "
+                f"{len(self.signed)} signs {self.signed}"
+            )
 
     @property
     def n_coefs(self) -> int:
@@ -81,7 +85,7 @@ def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):
     return torch.where(finite, g, 0.0), finite
 
 
-def store_param(param: torch.Tensor, value: torch.Tensor, round_key: Optional[torch.Tensor]) -> None:
+def store_param(param: torch.Tensor, value: torch.Tensor, round_key: torch.Tensor | None) -> None:
     """``param.copy_(value)``; a bf16 ``param`` with a ``round_key`` (int64 ``(key, element offset)``, see
     :mod:`torchao_optim.quant.rounding`) is written with stochastic rounding instead of round-to-nearest."""
     if round_key is not None and param.dtype == torch.bfloat16:

@@ -4,10 +4,10 @@ in plain tensor code, and :data:`LION`, the rule as the fused kernels take it.
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the state may be plain or any format, non-finite
 gradient elements are skipped, and so is an element whose new state would overflow.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -33,7 +33,7 @@ def lion_update(
     coefs: torch.Tensor,
     *,
     maximize: bool,
-    round_key: Optional[torch.Tensor] = None,
+    round_key: torch.Tensor | None = None,
 ) -> None:
     """One Lion step (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") on one parameter:
     ``c = beta1 * m + (1 - beta1) * g;  p = p * (1 - lr * wd) - lr * sign(c);  m = beta2 * m + (1 - beta2) * g``."""
@@ -47,12 +47,13 @@ def lion_update(
     store_param(param, torch.where(ok, p * wd_factor - lr * torch.sign(c), p), round_key)
 
 
-@functools.lru_cache(maxsize=None)  # imported once: a launch asks for it every step
+@functools.cache  # imported once: a launch asks for it every step
 def _triton_update():
     from torchao_optim.rules.triton_updates import lion_tile_update
 
     return lion_tile_update
 
 
-LION = FusedRule("lion", ("exp_avg",), (True,), LION_COEFS, lion_coefficients, triton_update=_triton_update,
-                 c_name="lion")
+LION = FusedRule(
+    "lion", ("exp_avg",), (True,), LION_COEFS, lion_coefficients, triton_update=_triton_update, c_name="lion"
+)

@@ -2,6 +2,7 @@
 
 No fused kernel runs Muon: its update orthogonalizes whole matrices (:mod:`torchao_optim.optim.muon`).
 """
+
 from __future__ import annotations
 
 import torch

@@ -5,10 +5,10 @@ In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the state may be p
 gradient elements are skipped (parameter and state keep their values), and so is an element whose new state
 would overflow.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 
@@ -34,12 +34,12 @@ def sgd_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, nesterov: bo
 def sgd_update(
     param: torch.Tensor,
     grad: torch.Tensor,
-    momentum_buffer: Optional[torch.Tensor],
+    momentum_buffer: torch.Tensor | None,
     coefs: torch.Tensor,
     *,
     nesterov: bool,
     maximize: bool,
-    round_key: Optional[torch.Tensor] = None,
+    round_key: torch.Tensor | None = None,
 ) -> None:
     """One ``torch.optim.SGD`` step on one parameter, in place (``momentum_buffer`` None: momentum 0)."""
     lr, wd, momentum, grad_coef = coefs.unbind()
@@ -56,12 +56,20 @@ def sgd_update(
     store_param(param, torch.where(ok, p - lr * g, p), round_key)
 
 
-@functools.lru_cache(maxsize=None)  # imported once: a launch asks for it every step
+@functools.cache  # imported once: a launch asks for it every step
 def _triton_update():
     from torchao_optim.rules.triton_updates import sgd_tile_update
 
     return sgd_tile_update
 
 
-SGD = FusedRule("sgd", ("momentum_buffer",), (True,), SGD_COEFS, sgd_coefficients, option="nesterov",
-                triton_update=_triton_update, c_name="sgd")
+SGD = FusedRule(
+    "sgd",
+    ("momentum_buffer",),
+    (True,),
+    SGD_COEFS,
+    sgd_coefficients,
+    option="nesterov",
+    triton_update=_triton_update,
+    c_name="sgd",
+)

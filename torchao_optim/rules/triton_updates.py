@@ -9,6 +9,7 @@ for ``maximize``. ``coefs`` is the tensor's row of its rule's coefficients (a tu
 program); ``OPTION`` the rule's one setting (``FusedRule.option``); ``PTX``: compiled to PTX, where inline PTX may
 be used (Triton's interpreter runs the plain forms). This module imports Triton; import it only where Triton is.
 """
+
 from __future__ import annotations
 
 import triton
@@ -41,8 +42,9 @@ def adam_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constex
     # with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
     denom = tl.sqrt(v) * inv_bc2 + eps
     if PTX:
-        ratio = m * tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32,
-                                              is_pure=True, pack=1)
+        ratio = m * tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         ratio = tl.fdiv(m, denom)
     p = tl.where(ok, p_decayed - step_size * ratio, p)
@@ -63,8 +65,9 @@ def _pow(base, t):
 
 
 @triton.jit
-def adam_coefs_kernel(steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr,
-                      PDL: tl.constexpr = False):
+def adam_coefs_kernel(
+    steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr, PDL: tl.constexpr = False
+):
     """``steps += 1`` and ``coefs = adam_coefficients(steps, hyperparams, DECOUPLED)`` in fp32, for ``n`` tensors
     (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay). ``PDL``: the update kernel that
     follows may start now (programmatic dependent launch); it waits for these results where it reads them."""

@@ -16,9 +16,11 @@ The op table: out-of-place ops dequantize their quantized arguments and return p
 ops on a quantized tensor compute in float and requantize once (``copy_`` into it included). Anything else
 raises ``NotImplementedError`` naming the op (docs/state_formats.md, "Adding an op").
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch._prims_common import infer_size
@@ -30,7 +32,7 @@ aten = torch.ops.aten
 
 __all__ = ["QuantizedState", "implements"]
 
-_OPS: Dict[Any, Callable] = {}
+_OPS: dict[Any, Callable] = {}
 
 
 def implements(ops: Sequence[Any]):
@@ -62,14 +64,14 @@ class QuantizedState(torch.Tensor):
     """Base of the low-bit state formats. See the module docstring for what a format declares."""
 
     format_name: ClassVar[str] = ""
-    elementwise_fields: ClassVar[Tuple[str, ...]] = ()
-    blockwise_fields: ClassVar[Tuple[str, ...]] = ()
-    attr_fields: ClassVar[Tuple[str, ...]] = ("block_size",)
+    elementwise_fields: ClassVar[tuple[str, ...]] = ()
+    blockwise_fields: ClassVar[tuple[str, ...]] = ()
+    attr_fields: ClassVar[tuple[str, ...]] = ("block_size",)
     default_block_size: ClassVar[int] = 256
     # Whether a row-sharded parameter (FSDP2) may keep its state in this format, quantized per local shard: true
     # where every scale covers one block, so that whole blocks of rows give the codes of the whole tensor.
     row_shardable: ClassVar[bool] = True
-    _format_ops: ClassVar[Dict[Any, Callable]] = {}
+    _format_ops: ClassVar[dict[Any, Callable]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -89,12 +91,12 @@ class QuantizedState(torch.Tensor):
         return decorator
 
     @classmethod
-    def data_fields(cls) -> Tuple[str, ...]:
+    def data_fields(cls) -> tuple[str, ...]:
         """The inner tensors that hold the state's values: the per-element ones, then the per-block ones."""
         return cls.elementwise_fields + cls.blockwise_fields
 
     @classmethod
-    def tensor_fields(cls) -> Tuple[str, ...]:
+    def tensor_fields(cls) -> tuple[str, ...]:
         """Every inner tensor: :meth:`data_fields`, and any a format adds beside them. Those carry a size, not
         values (``FourBitRank1Tensor.row_marks``): :meth:`assign` and ``zero_`` leave them as they are."""
         return cls.data_fields()
@@ -112,10 +114,10 @@ class QuantizedState(torch.Tensor):
 
     # ---- what a format implements --------------------------------------------------------------------
     @classmethod
-    def quantize_fields(cls, x: torch.Tensor, **attrs) -> Dict[str, torch.Tensor]:
+    def quantize_fields(cls, x: torch.Tensor, **attrs) -> dict[str, torch.Tensor]:
         raise NotImplementedError(f"{cls.__name__} must implement quantize_fields")
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
 
     def fast_path_layout(self):
@@ -124,7 +126,7 @@ class QuantizedState(torch.Tensor):
         return None
 
     @classmethod
-    def zeros_fields(cls, shape, device, **attrs) -> Dict[str, torch.Tensor]:
+    def zeros_fields(cls, shape, device, **attrs) -> dict[str, torch.Tensor]:
         return cls.quantize_fields(torch.zeros(shape, device=device), **attrs)
 
     @classmethod
@@ -150,7 +152,7 @@ class QuantizedState(torch.Tensor):
         return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
 
     @classmethod
-    def matches_layout(cls, value: "QuantizedState", *, signed: bool, block_size: int) -> bool:
+    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int) -> bool:
         """Whether ``value`` (a state loaded from a checkpoint, of the parameter's shape) is laid out exactly as this
         format stores a new state for an optimizer that asks for ``signed`` and ``block_size``: then its codes are
         kept as they are (exact resume); otherwise it is dequantized and quantized anew. The default compares the
@@ -188,18 +190,24 @@ class QuantizedState(torch.Tensor):
             if type(got) is not torch.Tensor:
                 raise ValueError(f"{name}.{field} must be a plain tensor, got {type(got).__name__}")
             if got.dtype != want.dtype or got.shape != want.shape:
-                raise ValueError(f"{name}.{field} of a tensor of shape {tuple(self.shape)} with {self.attrs()} "
-                                 f"must be {want.dtype} of shape {tuple(want.shape)}, got {got.dtype} of shape "
-                                 f"{tuple(got.shape)}")
+                raise ValueError(
+                    f"{name}.{field} of a tensor of shape {tuple(self.shape)} with {self.attrs()} "
+                    f"must be {want.dtype} of shape {tuple(want.shape)}, got {got.dtype} of shape "
+                    f"{tuple(got.shape)}"
+                )
             if got.device != self.device or got.device.type == "meta":
-                raise ValueError(f"{name}.{field} is on {got.device}; every field must hold data on the "
-                                 f"tensor's device ({self.device})")
+                raise ValueError(
+                    f"{name}.{field} is on {got.device}; every field must hold data on the "
+                    f"tensor's device ({self.device})"
+                )
             if field in self.blockwise_fields and got.is_floating_point():
                 bad = ~(torch.isfinite(got) & (got >= 0))
                 if bad.any():
                     i = int(bad.nonzero()[0])
-                    raise ValueError(f"{name}.{field} must be finite and non-negative (a scale per block); "
-                                     f"block {i} holds {got[i].item()}")
+                    raise ValueError(
+                        f"{name}.{field} must be finite and non-negative (a scale per block); "
+                        f"block {i} holds {got[i].item()}"
+                    )
 
     def share_memory_(self):
         """Move every inner tensor to shared memory (``torch.multiprocessing``, Hogwild training); in place."""
@@ -211,7 +219,7 @@ class QuantizedState(torch.Tensor):
     def is_shared(self) -> bool:
         return all(inner.is_shared() for inner in self.fields().values())
 
-    def _new(self, fields: Dict[str, torch.Tensor], shape=None, dtype=None):
+    def _new(self, fields: dict[str, torch.Tensor], shape=None, dtype=None):
         return type(self)(
             self.shape if shape is None else shape,
             self.dtype if dtype is None else dtype,
@@ -219,10 +227,10 @@ class QuantizedState(torch.Tensor):
             **self.attrs(),
         )
 
-    def attrs(self) -> Dict[str, Any]:
+    def attrs(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.attr_fields}
 
-    def fields(self) -> Dict[str, torch.Tensor]:
+    def fields(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.tensor_fields()}
 
     def same_layout(self, other) -> bool:
@@ -254,8 +262,10 @@ class QuantizedState(torch.Tensor):
         # never the data. Leaving out the shape let a graph compiled for one shape be handed to another.
         fields = self.fields()
         inner = ",".join(f"{k}:{v.dtype}{tuple(v.shape)}" for k, v in fields.items())
-        key = (f"{type(self).__module__}.{type(self).__qualname__}({self.attrs()},{tuple(self.shape)},"
-               f"{tuple(self.stride())},{self.dtype},{self.device.type},{inner})")
+        key = (
+            f"{type(self).__module__}.{type(self).__qualname__}({self.attrs()},{tuple(self.shape)},"
+            f"{tuple(self.stride())},{self.dtype},{self.device.type},{inner})"
+        )
         # Traced with symbolic sizes, the key names sizes by symbol, and a cache hit re-checks only the guards on
         # the graph's size arguments: the symbols of the outer shape. A size that only an inner tensor has (the
         # row count of 4bit_rank1, the length of its row and column maxima; the block count of a flat state) is
@@ -314,17 +324,41 @@ def _check_float_dtype(cls, dtype):
 # ---- the shared op table ---------------------------------------------------------------------------
 
 _MATH_OPS = [
-    aten.lerp.Scalar, aten.lerp.Tensor, aten.mul.Tensor, aten.mul.Scalar, aten.add.Tensor, aten.add.Scalar,
-    aten.sub.Tensor, aten.sub.Scalar, aten.addcmul.default, aten.addcdiv.default, aten.sqrt.default,
-    aten.div.Tensor, aten.div.Scalar, aten.maximum.default, aten.neg.default, aten.abs.default,
+    aten.lerp.Scalar,
+    aten.lerp.Tensor,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.add.Tensor,
+    aten.add.Scalar,
+    aten.sub.Tensor,
+    aten.sub.Scalar,
+    aten.addcmul.default,
+    aten.addcdiv.default,
+    aten.sqrt.default,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.maximum.default,
+    aten.neg.default,
+    aten.abs.default,
     aten.where.self,
 ]
 # Ops registered by a module on import, so named rather than referenced (filled below).
-_OPS_BY_NAME: Dict[str, Callable] = {}
+_OPS_BY_NAME: dict[str, Callable] = {}
 _INPLACE_OPS = [
-    aten.lerp_.Scalar, aten.lerp_.Tensor, aten.mul_.Tensor, aten.mul_.Scalar, aten.add_.Tensor,
-    aten.add_.Scalar, aten.sub_.Tensor, aten.sub_.Scalar, aten.addcmul_.default, aten.addcdiv_.default,
-    aten.sqrt_.default, aten.div_.Tensor, aten.div_.Scalar, aten.neg_.default,
+    aten.lerp_.Scalar,
+    aten.lerp_.Tensor,
+    aten.mul_.Tensor,
+    aten.mul_.Scalar,
+    aten.add_.Tensor,
+    aten.add_.Scalar,
+    aten.sub_.Tensor,
+    aten.sub_.Scalar,
+    aten.addcmul_.default,
+    aten.addcdiv_.default,
+    aten.sqrt_.default,
+    aten.div_.Tensor,
+    aten.div_.Scalar,
+    aten.neg_.default,
 ]
 
 
@@ -378,7 +412,9 @@ def _zeros_like(func, args, kwargs):
     # torch.optim creates state buffers with torch.zeros_like(state) when the state is ours
     self = args[0]
     return type(self).zeros(
-        self.shape, device=kwargs.get("device") or self.device, dtype=kwargs.get("dtype") or self.dtype,
+        self.shape,
+        device=kwargs.get("device") or self.device,
+        dtype=kwargs.get("dtype") or self.dtype,
         **self.attrs(),
     )
 
@@ -431,7 +467,7 @@ def _view(func, args, kwargs):
     return self._new(self.fields(), shape=infer_size(size, self.numel()))
 
 
-def _slice_bound(index: Optional[int], default: int, size: int) -> int:
+def _slice_bound(index: int | None, default: int, size: int) -> int:
     """A slice bound as torch clamps it: None is ``default``, a negative one counts from the end, and the result
     lies in [0, size]."""
     if index is None:
@@ -443,7 +479,7 @@ def _slice_bound(index: Optional[int], default: int, size: int) -> int:
 def _slice(func, args, kwargs):
     # row shards of state (FSDP2 chunks dim 0): only on block boundaries, so every block stays whole
     self = args[0]
-    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1:])[:4]
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1 :])[:4]
     dim = dim % max(self.dim(), 1)
     if step < 1:
         raise ValueError(f"{type(self).__name__}: slice step must be positive, got {step}")
@@ -451,16 +487,19 @@ def _slice(func, args, kwargs):
     start = _slice_bound(start, 0, rows)
     length = -(-max(_slice_bound(end, rows, rows) - start, 0) // step)  # the rows torch's slice selects
     if dim != 0 or (step != 1 and length > 1):
-        raise NotImplementedError(f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, "
-                                  f"got dim={dim}, step={step}")
+        raise NotImplementedError(
+            f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, got dim={dim}, step={step}"
+        )
     end = start + length
     row = self.numel() // max(rows, 1)
     first, last, bs = start * row, end * row, self.block_size
     if first == last:  # empty: no element, no block, wherever it starts
         first = last = 0
     if first % bs or (last % bs and last != self.numel()):
-        raise ValueError(f"{type(self).__name__}: rows [{start}:{end}] cover elements [{first}:{last}], which do "
-                         f"not start and end on a block boundary (block_size={bs})")
+        raise ValueError(
+            f"{type(self).__name__}: rows [{start}:{end}] cover elements [{first}:{last}], which do "
+            f"not start and end on a block boundary (block_size={bs})"
+        )
     fields = self.fields()
     layout = self.fast_path_layout()
     per_byte = 2 if layout is not None and layout.bits == 4 else 1  # 4-bit codes: two per byte
@@ -473,10 +512,13 @@ def _slice(func, args, kwargs):
 
 # ---- rows: concatenating, padding and gathering whole blocks (DTensor, FSDP2, DCP) ----------------------
 
+
 def _check_whole_blocks(self, what: str) -> None:
     if self.numel() % self.block_size:
-        raise ValueError(f"{type(self).__name__}: {what} needs whole blocks, but a tensor of shape {tuple(self.shape)} "
-                         f"holds {self.numel()} elements, not a multiple of block_size={self.block_size}")
+        raise ValueError(
+            f"{type(self).__name__}: {what} needs whole blocks, but a tensor of shape {tuple(self.shape)} "
+            f"holds {self.numel()} elements, not a multiple of block_size={self.block_size}"
+        )
 
 
 def _cat_rows(parts: Sequence[QuantizedState]) -> QuantizedState:
@@ -486,8 +528,9 @@ def _cat_rows(parts: Sequence[QuantizedState]) -> QuantizedState:
     first = parts[0]
     for part in parts:
         if type(part) is not type(first) or part.attrs() != first.attrs() or part.shape[1:] != first.shape[1:]:
-            raise ValueError(f"cat of quantized states needs one format, layout and row shape: got {part!r} "
-                             f"beside {first!r}")
+            raise ValueError(
+                f"cat of quantized states needs one format, layout and row shape: got {part!r} beside {first!r}"
+            )
     for part in parts[:-1]:
         _check_whole_blocks(part, "concatenating along dim 0")
     fields = {name: torch.cat([getattr(part, name) for part in parts]) for name in first.tensor_fields()}
@@ -500,8 +543,10 @@ def _cat(func, args, kwargs):
     # DTensor's gathers and pads along dim 0 (a quantized state in every part, the rows whole blocks)
     tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
     if not all(isinstance(t, QuantizedState) for t in tensors) or dim % max(tensors[0].dim(), 1) != 0:
-        raise NotImplementedError(f"cat of quantized states is supported along dim 0, with every tensor quantized; "
-                                  f"got dim={dim} and {[type(t).__name__ for t in tensors]}")
+        raise NotImplementedError(
+            f"cat of quantized states is supported along dim 0, with every tensor quantized; "
+            f"got dim={dim} and {[type(t).__name__ for t in tensors]}"
+        )
     return _cat_rows(tensors)
 
 
@@ -512,8 +557,10 @@ def _constant_pad_nd(func, args, kwargs):
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
     after = pad[-1] if len(pad) == 2 * self.dim() else 0
     if value != 0 or self.dim() == 0 or any(pad[:-1]) or len(pad) != 2 * self.dim() or after < 0:
-        raise NotImplementedError(f"{type(self).__name__}: padding is supported with zeros after the last row only, "
-                                  f"got pad={pad}, value={value}")
+        raise NotImplementedError(
+            f"{type(self).__name__}: padding is supported with zeros after the last row only, "
+            f"got pad={pad}, value={value}"
+        )
     if after == 0:
         return self
     shape = (after,) + tuple(self.shape[1:])

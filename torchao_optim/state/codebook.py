@@ -4,10 +4,10 @@ A subclass names its inner tensors and says, from its attributes, which :class:`
 (``layout(**attrs)``); quantizing, dequantizing, zeros and the fused CUDA path all follow from that
 description. ``DTQ8bitTensor`` is one such format; a new codebook format is a dozen lines.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -18,14 +18,14 @@ from torchao_optim.state.layout import StateLayout
 __all__ = ["CodebookState"]
 
 
-@functools.lru_cache(maxsize=None)
-def _zero_code(codebook: Tuple[float, ...]) -> int:
+@functools.cache
+def _zero_code(codebook: tuple[float, ...]) -> int:
     # the code of 0.0: the number of decision boundaries below 0 (a midpoint's sign survives fp32 rounding,
     # and a boundary lifted by never_zero is 0.0 itself, not below it)
     return sum(1 for a, b in zip(codebook, codebook[1:]) if a + b < 0)
 
 
-_LAYOUTS: Dict[tuple, StateLayout] = {}
+_LAYOUTS: dict[tuple, StateLayout] = {}
 
 
 class CodebookState(QuantizedState):
@@ -52,7 +52,7 @@ class CodebookState(QuantizedState):
             layout = _LAYOUTS[key] = cls.layout(**attrs)
         return layout
 
-    def fast_path_layout(self) -> Optional[StateLayout]:
+    def fast_path_layout(self) -> StateLayout | None:
         return self.layout_of(self.attrs())
 
     @classmethod
@@ -70,9 +70,11 @@ class CodebookState(QuantizedState):
             negative = x < 0
             if negative.any():
                 described = ", ".join(f"{k}={v!r}" for k, v in attrs.items())
-                raise ValueError(f"{cls.__name__} with {described} stores values >= 0 only (its codebook has no "
-                                 f"negative values); got {int(negative.sum())} negative values, the smallest "
-                                 f"{x.min().item()}")
+                raise ValueError(
+                    f"{cls.__name__} with {described} stores values >= 0 only (its codebook has no "
+                    f"negative values); got {int(negative.sum())} negative values, the smallest "
+                    f"{x.min().item()}"
+                )
 
     @classmethod
     def quantize_fields(cls, x, **attrs):
@@ -91,7 +93,14 @@ class CodebookState(QuantizedState):
             layout.scales: torch.zeros(n_blocks(numel, layout.block_size), device=device),
         }
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         layout = self.fast_path_layout()
-        return dequantize_blockwise(getattr(self, layout.codes), getattr(self, layout.scales), layout.codebook,
-                                    layout.block_size, self.shape, dtype or self.dtype, layout.bits)
+        return dequantize_blockwise(
+            getattr(self, layout.codes),
+            getattr(self, layout.scales),
+            layout.codebook,
+            layout.block_size,
+            self.shape,
+            dtype or self.dtype,
+            layout.bits,
+        )

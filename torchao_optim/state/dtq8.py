@@ -5,6 +5,7 @@ The format of bitsandbytes' 8-bit optimizers: the signed dynamic map for ``exp_a
 bitsandbytes' codes for the same input, up to ties). 1.016 bytes per element: one code byte plus 4 bytes
 of absmax per 256 elements; Adam's two states take 2.03 bytes per parameter.
 """
+
 from __future__ import annotations
 
 from torchao_optim.quant import dynamic_map_values
@@ -39,5 +40,10 @@ class DTQ8bitTensor(CodebookState):
     @classmethod
     def layout(cls, *, signed, block_size):
         # The unsigned map holds exp_avg_sq, which Adam divides by: a positive value never encodes to 0.
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size,
-                           codebook=dynamic_map_values(signed), never_zero=not signed)
+        return StateLayout(
+            codes="codes",
+            scales="absmax",
+            block_size=block_size,
+            codebook=dynamic_map_values(signed),
+            never_zero=not signed,
+        )

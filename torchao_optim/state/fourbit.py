@@ -22,10 +22,11 @@ two or more dimensions: element ``(i, j)`` of the ``(rows, numel / rows)`` matri
 Its scales are not blockwise, so the fused CUDA kernels (which read one absmax per block) do not take it:
 its parameters take the per-parameter compiled path.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Optional, Tuple
+from typing import ClassVar
 
 import torch
 
@@ -39,14 +40,14 @@ from torchao_optim.state.registry import register_state_format
 __all__ = ["FourBitTensor", "FourBitRank1Tensor", "linear_map_without_zero", "quadratic_map"]
 
 
-@functools.lru_cache(maxsize=None)
-def linear_map_without_zero(bits: int = 4) -> Tuple[float, ...]:
+@functools.cache
+def linear_map_without_zero(bits: int = 4) -> tuple[float, ...]:
     """``(i + 1) / 2**bits`` for ``i`` in ``0 .. 2**bits - 1``: an even grid on (0, 1] with no zero level."""
     return tuple(((torch.arange(2**bits, dtype=torch.float64) + 1) / 2**bits).to(torch.float32).tolist())
 
 
-@functools.lru_cache(maxsize=None)
-def quadratic_map() -> Tuple[float, ...]:
+@functools.cache
+def quadratic_map() -> tuple[float, ...]:
     """16 signed values: 0, 1.0 and ``±(k / 8)**2`` for ``k`` in 1..7 (no -1.0, as the dynamic map)."""
     positive = [(k / 8) ** 2 for k in range(1, 8)]
     return tuple([-v for v in reversed(positive)] + [0.0] + positive + [1.0])
@@ -102,7 +103,7 @@ class FourBitRank1Tensor(FourBitTensor):
     row_shardable = False  # a column's maximum spans every rank's rows
 
     @classmethod
-    def tensor_fields(cls) -> Tuple[str, ...]:
+    def tensor_fields(cls) -> tuple[str, ...]:
         return super().tensor_fields() + ("row_marks",)
 
     def __init__(self, shape, dtype=torch.float32, **fields_and_attrs):
@@ -160,10 +161,12 @@ class FourBitRank1Tensor(FourBitTensor):
         super().check_attrs(shape, **attrs)
         rows, numel = attrs["rows"], torch.Size(shape).numel()
         if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or numel % rows)):
-            raise ValueError(f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
-                             f"signed={attrs['signed']} (0, or a divisor of numel for signed=False)")
+            raise ValueError(
+                f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
+                f"signed={attrs['signed']} (0, or a divisor of numel for signed=False)"
+            )
 
-    def fast_path_layout(self) -> Optional[StateLayout]:
+    def fast_path_layout(self) -> StateLayout | None:
         # rank-1 scales are per row and column, not per block: the fused kernels cannot read them
         return None if self.rows else super().fast_path_layout()
 
@@ -195,7 +198,7 @@ class FourBitRank1Tensor(FourBitTensor):
         fields["row_marks"] = torch.zeros(rows, dtype=torch.uint8, device=device)
         return fields
 
-    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if not self.rows:
             return super().dequantize(dtype)
         layout = self.layout_of(self.attrs())
@@ -220,6 +223,8 @@ def _slice_rank1(func, args, kwargs):
     # row shards (FSDP-style chunking): a shard of a rank-1 state would need the column maxima of every row
     self = args[0]
     if self.rows:
-        raise NotImplementedError(f"{type(self).__name__}: a rank-1 normalized state (rows={self.rows}) cannot be "
-                                  f"sliced: its column maxima span every row; dequantize first")
+        raise NotImplementedError(
+            f"{type(self).__name__}: a rank-1 normalized state (rows={self.rows}) cannot be "
+            f"sliced: its column maxima span every row; dequantize first"
+        )
     return _slice(func, args, kwargs)

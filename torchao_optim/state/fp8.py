@@ -20,10 +20,11 @@ even), and the fused CUDA path follows from the layout.
 ``never_zero`` holds for ``exp_avg_sq``: a positive value never encodes to 0.0 (Adam divides by its square
 root). Blocks of 256; 1 + 4/256 = 1.016 bytes per element, as ``"dtq8"``.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import ClassVar, Tuple
+from typing import ClassVar
 
 import torch
 
@@ -49,8 +50,8 @@ def _unsigned_minifloat(exponent_bits: int, mantissa_bits: int) -> torch.Tensor:
     return torch.where(exponent == 0, fraction * 2.0, (1 + fraction) * 2.0**exponent)
 
 
-@functools.lru_cache(maxsize=None)
-def float8_codebook(kind: str, signed: bool) -> Tuple[float, ...]:
+@functools.cache
+def float8_codebook(kind: str, signed: bool) -> tuple[float, ...]:
     """The sorted finite values of an 8-bit float, divided by the largest: a codebook within [-1, 1].
 
     Args:
@@ -98,8 +99,13 @@ class Fp8Tensor(CodebookState):
     @classmethod
     def layout(cls, *, signed, block_size):
         kind = cls.first_moment if signed else cls.second_moment
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size,
-                           codebook=float8_codebook(kind, signed), never_zero=not signed)
+        return StateLayout(
+            codes="codes",
+            scales="absmax",
+            block_size=block_size,
+            codebook=float8_codebook(kind, signed),
+            never_zero=not signed,
+        )
 
     def float8_bits(self) -> torch.Tensor:
         """The codes as the bit patterns of ``torch.float8_e4m3fn`` (uint8, flat), for a tensor whose kind is

@@ -4,10 +4,10 @@ A format that can describe itself this way returns a :class:`StateLayout` from `
 planner and the CUDA kernels read only this description (and the inner tensors it names), never the
 format's class, so a format written after the kernels takes the fused path with no kernel edit.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 __all__ = ["StateLayout"]
 
@@ -30,7 +30,7 @@ class StateLayout:
     codes: str
     scales: str
     block_size: int
-    codebook: Tuple[float, ...]
+    codebook: tuple[float, ...]
     bits: int = 8
     never_zero: bool = False
 
@@ -38,7 +38,7 @@ class StateLayout:
         if self.bits not in (4, 8):
             raise ValueError(f"StateLayout.bits must be 8 or 4, got {self.bits!r}")
         if not 2 <= len(self.codebook) <= 2**self.bits:
-            raise ValueError(f"a {self.bits}-bit codebook has 2 to {2 ** self.bits} values, got {len(self.codebook)}")
+            raise ValueError(f"a {self.bits}-bit codebook has 2 to {2**self.bits} values, got {len(self.codebook)}")
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 2:
             raise ValueError(f"StateLayout.block_size must be a positive even int, got {self.block_size!r}")
 

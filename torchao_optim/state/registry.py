@@ -1,11 +1,10 @@
 """Registry of optimizer-state formats by name: optimizers ask for ``state_format="dtq8"`` and never import a format."""
-from __future__ import annotations
 
-from typing import Dict, List, Type
+from __future__ import annotations
 
 __all__ = ["register_state_format", "get_state_format", "list_state_formats"]
 
-_FORMATS: Dict[str, type] = {}
+_FORMATS: dict[str, type] = {}
 
 
 def register_state_format(name: str):
@@ -13,7 +12,7 @@ def register_state_format(name: str):
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"a state format name must be a non-empty string other than 'none', got {name!r}")
 
-    def decorator(cls: Type) -> Type:
+    def decorator(cls: type) -> type:
         from torchao_optim.state.base import QuantizedState
 
         if not (isinstance(cls, type) and issubclass(cls, QuantizedState)):
@@ -27,7 +26,7 @@ def register_state_format(name: str):
     return decorator
 
 
-def get_state_format(name: str) -> Type:
+def get_state_format(name: str) -> type:
     """The format class registered as ``name``."""
     try:
         return _FORMATS[name]
@@ -35,6 +34,6 @@ def get_state_format(name: str) -> Type:
         raise ValueError(f"unknown state format {name!r}; registered formats: {list_state_formats()}") from None
 
 
-def list_state_formats() -> List[str]:
+def list_state_formats() -> list[str]:
     """Names of the registered formats, sorted."""
     return sorted(_FORMATS)

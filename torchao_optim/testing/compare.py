@@ -1,11 +1,11 @@
 """What every test compares with: bit-for-bit states (plain tensors, or a format's inner tensors), a
 checkpoint's round trip through ``torch.save``/``torch.load``, a function with a compile cache of its own, and
 :class:`Failures`, which collects what failed and fails a test once, naming all of it."""
+
 from __future__ import annotations
 
 import io
 import types
-from typing import List
 
 import torch
 
@@ -33,7 +33,7 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"{n} of {x.numel()} elements differ, by up to {largest:.3g}"
 
 
-def same_tensor_problems(a, b, what: str = "") -> List[str]:
+def same_tensor_problems(a, b, what: str = "") -> list[str]:
     """What keeps ``a`` from being ``b``: type, shape, dtype, format attributes, and every inner tensor of a
     quantized state (or the data of a plain one) bit for bit. Empty if they are the same."""
     where = f"{what}: " if what else ""
@@ -45,8 +45,11 @@ def same_tensor_problems(a, b, what: str = "") -> List[str]:
         return [] if torch.equal(a, b) else [f"{where}{difference(a, b)}; bound: bit-identical"]
     if a.attrs() != b.attrs():
         return [f"{where}attributes {a.attrs()} against {b.attrs()}"]
-    return [f"{where}field {name}: {difference(getattr(a, name), getattr(b, name))}; bound: bit-identical"
-            for name in a.tensor_fields() if not torch.equal(getattr(a, name), getattr(b, name))]
+    return [
+        f"{where}field {name}: {difference(getattr(a, name), getattr(b, name))}; bound: bit-identical"
+        for name in a.tensor_fields()
+        if not torch.equal(getattr(a, name), getattr(b, name))
+    ]
 
 
 def assert_same_tensor(test, a, b, what: str = "") -> None:
@@ -73,7 +76,7 @@ class Failures:
     def __init__(self, test, context: str):
         self.test, self.context, self.lines = test, context, []
 
-    def __enter__(self) -> "Failures":
+    def __enter__(self) -> Failures:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:

@@ -5,6 +5,7 @@ of its codebook, and so gets every check below: construction, the op table (each
 dequantized reference), checkpoints, devices, edge input and ``torch.compile``. A new format is covered
 by that subclass alone, never by editing a list.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -28,7 +29,6 @@ def _state_copy(state, value):
 
 def _state_lerp(state, g, w):
     state.copy_(state.dequantize().lerp(g, w))
-
 
 
 class StateFormatTestCase(expecttest.TestCase):
@@ -70,7 +70,9 @@ class StateFormatTestCase(expecttest.TestCase):
         return Failures(self, f"format {self.format_name!r} (block_size={self.block_size})")
 
     def assertBitEqual(self, a, b, what: str = ""):
-        assert_same_tensor(self, a, b, f"format {self.format_name!r}: {what}" if what else f"format {self.format_name!r}")
+        assert_same_tensor(
+            self, a, b, f"format {self.format_name!r}: {what}" if what else f"format {self.format_name!r}"
+        )
 
     def quant_errors(self, q, x, signed=True):
         """Where ``q`` is further from ``x`` than ``max_error`` allows: a line (what was measured, the bound) if
@@ -90,9 +92,11 @@ class StateFormatTestCase(expecttest.TestCase):
                 worst = max(worst, (err / max(absmax, 1e-30), start // bs, err))
         if not over:
             return []
-        return [f"signed={signed}, shape {tuple(x.shape)}: {len(over)} of {-(-flat.numel() // bs)} blocks over the "
-                f"bound; the worst, block {worst[1]}, has a round-trip error of {worst[0]:.4g} of its absmax "
-                f"({worst[2]:.4g}), bound max_error={self.max_error[signed]:.4g}"]
+        return [
+            f"signed={signed}, shape {tuple(x.shape)}: {len(over)} of {-(-flat.numel() // bs)} blocks over the "
+            f"bound; the worst, block {worst[1]}, has a round-trip error of {worst[0]:.4g} of its absmax "
+            f"({worst[2]:.4g}), bound max_error={self.max_error[signed]:.4g}"
+        ]
 
     def assertWithinQuantError(self, q, x, signed=True):
         with self.failures() as check:
@@ -105,8 +109,11 @@ class StateFormatTestCase(expecttest.TestCase):
                 for shape in [(4096,), (16, 256), (1000, 3), (300,)]:
                     x = self.sample(*shape, signed=signed)
                     q = self.quantize(x, signed)
-                    check.values((type(q), q.shape, q.dtype), (self.fmt, x.shape, torch.float32),
-                                 f"signed={signed}, shape {shape}: type, shape, dtype")
+                    check.values(
+                        (type(q), q.shape, q.dtype),
+                        (self.fmt, x.shape, torch.float32),
+                        f"signed={signed}, shape {shape}: type, shape, dtype",
+                    )
                     check.lines += self.quant_errors(q, x, signed)
 
     def test_zeros(self):
@@ -115,8 +122,11 @@ class StateFormatTestCase(expecttest.TestCase):
                 z = self.fmt.zeros((7, 300), signed=signed, block_size=self.block_size)
                 check.values(z.shape, (7, 300), f"signed={signed}: zeros((7, 300)).shape")
                 check.equal(z.dequantize(), torch.zeros(7, 300), f"signed={signed}, shape (7, 300): zeros")
-            check.values(self.fmt.zeros((10,), signed=True, dtype=torch.bfloat16).dequantize().dtype, torch.bfloat16,
-                         "zeros(dtype=torch.bfloat16).dequantize().dtype")
+            check.values(
+                self.fmt.zeros((10,), signed=True, dtype=torch.bfloat16).dequantize().dtype,
+                torch.bfloat16,
+                "zeros(dtype=torch.bfloat16).dequantize().dtype",
+            )
 
     def test_edge_input(self):
         # empty, all-zero blocks, a short last block, non-contiguous input
@@ -132,8 +142,11 @@ class StateFormatTestCase(expecttest.TestCase):
             check.lines += self.quant_errors(self.quantize(x), x)
             x = self.sample(64, 48).t()
             check.that(not x.is_contiguous(), "the transposed sample is contiguous")
-            check.equal(self.quantize(x).dequantize(), self.quantize(x.contiguous()).dequantize(),
-                        "shape (48, 64), non-contiguous against contiguous")
+            check.equal(
+                self.quantize(x).dequantize(),
+                self.quantize(x.contiguous()).dequantize(),
+                "shape (48, 64), non-contiguous against contiguous",
+            )
 
     def test_non_finite_stays_in_its_element(self):
         x = self.sample(2 * self.block_size)
@@ -146,8 +159,10 @@ class StateFormatTestCase(expecttest.TestCase):
                 others = torch.ones_like(x, dtype=torch.bool)
                 others[3] = False
                 check.equal(deq[others], ref[others], f"shape {tuple(x.shape)}, {bad} at element 3: the others")
-                check.that(torch.isfinite(deq[3]), f"shape {tuple(x.shape)}: {bad} was stored as {deq[3].item()}, "
-                                                   f"expected a finite value")
+                check.that(
+                    torch.isfinite(deq[3]),
+                    f"shape {tuple(x.shape)}: {bad} was stored as {deq[3].item()}, expected a finite value",
+                )
 
     def test_bad_input(self):
         with self.assertRaisesRegex(TypeError, "int64", msg=f"format {self.format_name!r}"):
@@ -214,10 +229,14 @@ class StateFormatTestCase(expecttest.TestCase):
         p, x = torch.randn(4096), self.sample(4096)
         q = self.quantize(x)
         with self.failures() as check:
-            check.equal(p.clone().add_(q, alpha=-0.1), p.clone().add_(q.dequantize(), alpha=-0.1),
-                        "add_, shape (4096,)")
-            check.equal(p.clone().addcdiv_(q, p.abs() + 1, value=-0.1),
-                        p.clone().addcdiv_(q.dequantize(), p.abs() + 1, value=-0.1), "addcdiv_, shape (4096,)")
+            check.equal(
+                p.clone().add_(q, alpha=-0.1), p.clone().add_(q.dequantize(), alpha=-0.1), "add_, shape (4096,)"
+            )
+            check.equal(
+                p.clone().addcdiv_(q, p.abs() + 1, value=-0.1),
+                p.clone().addcdiv_(q.dequantize(), p.abs() + 1, value=-0.1),
+                "addcdiv_, shape (4096,)",
+            )
 
     def test_copy(self):
         x = self.sample(4, 1024)
@@ -238,8 +257,7 @@ class StateFormatTestCase(expecttest.TestCase):
             u = self.fmt.zeros(x.shape, signed=False, block_size=self.block_size)
             signed_q = self.quantize(x.abs())
             u.copy_(signed_q)
-            check.same(u, self.quantize(signed_q.dequantize(), signed=False),
-                       "shape (4, 1024), signed into unsigned")
+            check.same(u, self.quantize(signed_q.dequantize(), signed=False), "shape (4, 1024), signed into unsigned")
             # broadcasting from a scalar tensor
             q.copy_(torch.tensor(0.0))
             check.equal(q.dequantize(), torch.zeros_like(x), "shape (4, 1024), a 0-d tensor broadcast")
@@ -247,8 +265,11 @@ class StateFormatTestCase(expecttest.TestCase):
     def test_constructors_like(self):
         q = self.quantize(self.sample(5, 999))
         with self.failures() as check:
-            for name, z in (("zeros_like", torch.zeros_like(q)), ("empty_like", torch.empty_like(q)),
-                            ("new_zeros", q.new_zeros((5, 999)))):
+            for name, z in (
+                ("zeros_like", torch.zeros_like(q)),
+                ("empty_like", torch.empty_like(q)),
+                ("new_zeros", q.new_zeros((5, 999))),
+            ):
                 if check.values(type(z), self.fmt, f"{name}, shape (5, 999): type"):
                     check.values(z.attrs(), q.attrs(), f"{name}, shape (5, 999): attributes")
                     check.equal(z.dequantize(), torch.zeros(5, 999), f"{name}, shape (5, 999)")
@@ -308,8 +329,14 @@ class StateFormatTestCase(expecttest.TestCase):
         rows = self.quantize(self.sample(4, u))
         bounds = (None, -4 * u, -3 * u, -2 * u, -u, 0, u, 2 * u, 3 * u, 4 * u)
         cases = [(q, slice(a, b)) for a in bounds for b in bounds]
-        cases += [(q, slice(300, 300)), (q, slice(300, 100)), (q, slice(-100, 5)),
-                  (rows, slice(1, 3, 7)), (rows, slice(-7, 2)), (rows, slice(3, -9))]
+        cases += [
+            (q, slice(300, 300)),
+            (q, slice(300, 100)),
+            (q, slice(-100, 5)),
+            (rows, slice(1, 3, 7)),
+            (rows, slice(-7, 2)),
+            (rows, slice(3, -9)),
+        ]
         for t, index in cases:
             got, want = t[index], t.dequantize()[index]
             self.assertIs(type(got), self.fmt, index)
@@ -327,7 +354,9 @@ class StateFormatTestCase(expecttest.TestCase):
 
     def test_unsupported_op_names_op_and_docs(self):
         q = self.quantize(self.sample(4096))
-        with self.assertRaisesRegex(NotImplementedError, r"aten\.exp\.default.*Adding an op", msg=f"format {self.format_name!r}"):
+        with self.assertRaisesRegex(
+            NotImplementedError, r"aten\.exp\.default.*Adding an op", msg=f"format {self.format_name!r}"
+        ):
             torch.exp(q)
 
     # ---- checkpoints --------------------------------------------------------------------------------
@@ -354,6 +383,8 @@ class StateFormatTestCase(expecttest.TestCase):
                 # one code, which is exactly what dequantize shows
                 a, b = comp.dequantize(), eager.dequantize()
                 rel = ((a - b).abs() / b.abs().clamp_min(1e-30)).max()
-                check.that(torch.allclose(a, b, rtol=0.02, atol=1e-30),
-                           f"shape ({n},), lerp compiled against eager: relative difference up to {rel.item():.4g}, "
-                           f"bound 0.02")
+                check.that(
+                    torch.allclose(a, b, rtol=0.02, atol=1e-30),
+                    f"shape ({n},), lerp compiled against eager: relative difference up to {rel.item():.4g}, "
+                    f"bound 0.02",
+                )

@@ -14,6 +14,7 @@ Runs are small (under a thousand elements, a few steps): on a machine without CU
 in Triton's interpreter, and is skipped where neither is available; the cpu executor is skipped where no C
 compiler is.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,6 +43,7 @@ def compiled_or_eager(fmt: str, compiled_on_cpu) -> str:
     takes inductor's C++ backend about half a minute a test on a CPU, per format; eager runs the same update,
     which each format's compiled form equals bit for bit (StateFormatTestCase)."""
     return "compiled" if torch.cuda.is_available() or fmt in compiled_on_cpu else "eager"
+
 
 NAN, INF = float("nan"), float("inf")
 ROUNDING = 1 + 1e-5  # fp32 rounding of a bound computed from a codebook value times a scale
@@ -94,9 +96,12 @@ class OptimizerConformanceCase(expecttest.TestCase):
             cls.device = "cpu"
             unittest.skipUnless(cpu_kernels_available(), "the fused CPU step could not be built (no C compiler)")(cls)
         if cls.executor == "fused":
-            unittest.skipUnless(fused_available(cls.device), f"the fused executor cannot run on {cls.device}: it "
-                                "needs Triton and a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1) on "
-                                "the CPU")(cls)
+            unittest.skipUnless(
+                fused_available(cls.device),
+                f"the fused executor cannot run on {cls.device}: it "
+                "needs Triton and a CUDA device, or Triton's interpreter (TRITON_INTERPRET=1) on "
+                "the CPU",
+            )(cls)
 
     def setUp(self):
         # a compiled step that fell back to eager mode warns: here that is a failure, not a slower pass
@@ -114,17 +119,26 @@ class OptimizerConformanceCase(expecttest.TestCase):
         """Each element's gradient is ``scale * (direction + 2 * noise)``: a consistent direction under noise,
         with magnitudes spread over e^4 within each block, so that blockwise quantization matters."""
         gen = torch.Generator().manual_seed(1)
-        fixed = [(torch.empty(s).uniform_(-3, 1, generator=gen).exp(), torch.randn(s, generator=gen))
-                 for s in self.shapes]
+        fixed = [
+            (torch.empty(s).uniform_(-3, 1, generator=gen).exp(), torch.randn(s, generator=gen)) for s in self.shapes
+        ]
         gen.manual_seed(100 + step)
-        return [(scale * (direction + 2 * torch.randn(scale.shape, generator=gen))).to(self.device)
-                for scale, direction in fixed]
+        return [
+            (scale * (direction + 2 * torch.randn(scale.shape, generator=gen))).to(self.device)
+            for scale, direction in fixed
+        ]
 
     def optimizer(self, params, cls=AdamW, **kw):
         kw.setdefault("lr", self.lr)
         kw.setdefault("weight_decay", 0.1)
-        return cls(params, state_format=self.format_name, fused=FUSED_OPTION[self.executor],
-                   compile=self.executor != "eager", min_quant_size=self.min_quant_size, **kw)
+        return cls(
+            params,
+            state_format=self.format_name,
+            fused=FUSED_OPTION[self.executor],
+            compile=self.executor != "eager",
+            min_quant_size=self.min_quant_size,
+            **kw,
+        )
 
     def train(self, opt, params, steps, start=0, sched=None):
         for k in range(start, start + steps):
@@ -165,12 +179,21 @@ class OptimizerConformanceCase(expecttest.TestCase):
         if self.executor not in ("compiled", "eager"):
             plans = opt._plans[id(opt.param_groups[0])]
             fused = {id(p) for p in self.fusable(params)}
-            self.assertEqual([params[i].shape for i in plans["rest"]],
-                             [p.shape for p in params if id(p) not in fused], f"{context}: left to the compiled path")
-            self.assertEqual({id(p) for plan in plans["plans"] for p in plan.params}, fused,
-                             f"{context}: the parameters the fused plans cover")
-            self.assertEqual({plan.executor for plan in plans["plans"]},
-                             {"cpu" if self.executor == "cpu" else "triton"}, f"{context}: the plans' executor")
+            self.assertEqual(
+                [params[i].shape for i in plans["rest"]],
+                [p.shape for p in params if id(p) not in fused],
+                f"{context}: left to the compiled path",
+            )
+            self.assertEqual(
+                {id(p) for plan in plans["plans"] for p in plan.params},
+                fused,
+                f"{context}: the parameters the fused plans cover",
+            )
+            self.assertEqual(
+                {plan.executor for plan in plans["plans"]},
+                {"cpu" if self.executor == "cpu" else "triton"},
+                f"{context}: the plans' executor",
+            )
         else:
             self.assertEqual(opt._plans, {}, f"{context}: fused plans")
             self.assertEqual(opt._update.enabled, self.executor == "compiled", f"{context}: compiled or eager as asked")
@@ -188,8 +211,9 @@ class OptimizerConformanceCase(expecttest.TestCase):
                     check.at_most(err.max() / lr_sum, max_bound, f"{where} max |p - p_ref| / sum(lr)")
                 else:
                     scale = q.abs().max().item()
-                    check.at_most(err.max() / max(scale, 1e-30), FP32_REL,
-                                  f"{where} (fp32 state) max |p - p_ref| / max |p_ref|")
+                    check.at_most(
+                        err.max() / max(scale, 1e-30), FP32_REL, f"{where} (fp32 state) max |p - p_ref| / max |p_ref|"
+                    )
 
     def assertBitEqual(self, a, b, what):
         assert_same_tensor(self, a, b, what)
@@ -222,10 +246,14 @@ class OptimizerConformanceCase(expecttest.TestCase):
                 for key in ("exp_avg", "exp_avg_sq"):
                     state = opt.state[p][key]
                     what = f"{key} of shape {tuple(p.shape)}"
-                    check.values(type(state), get_state_format(self.format_name) if quantized else torch.Tensor,
-                                 f"{what}: type")
-                    check.values((state.shape, state.dtype, state.device), (p.shape, torch.float32, p.device),
-                                 f"{what}: shape, dtype, device")
+                    check.values(
+                        type(state), get_state_format(self.format_name) if quantized else torch.Tensor, f"{what}: type"
+                    )
+                    check.values(
+                        (state.shape, state.dtype, state.device),
+                        (p.shape, torch.float32, p.device),
+                        f"{what}: shape, dtype, device",
+                    )
 
     def test_adamw_matches_torch_adamw(self):
         """AdamW (decoupled weight decay) against torch.optim.AdamW on the same gradients."""
@@ -246,6 +274,7 @@ class OptimizerConformanceCase(expecttest.TestCase):
     def test_exact_resume(self):
         """2 steps, checkpoint (optimizer and lr scheduler, through torch.save and torch.load(weights_only=True)),
         a new optimizer on copies of the parameters; both go on 2 steps: bit-identical, every state field."""
+
         def make(params):
             opt = self.optimizer(params)
             return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.7**k)
@@ -253,8 +282,7 @@ class OptimizerConformanceCase(expecttest.TestCase):
         first = self.params()
         opt, sched = make(first)
         self.train(opt, first, 2, sched=sched)
-        ckpt = save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(),
-                          "sched": sched.state_dict()})
+        ckpt = save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(), "sched": sched.state_dict()})
         resumed = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
         opt2, sched2 = make(resumed)
         opt2.load_state_dict(ckpt["opt"])
@@ -294,20 +322,30 @@ class OptimizerConformanceCase(expecttest.TestCase):
                 check.equal(p.view(-1)[others], q.view(-1)[others], f"{what}: the other elements, against run B")
                 check.values(float(oa.state[p]["step"]), 2.0, f"{what}: step")
                 for key in ("exp_avg", "exp_avg_sq"):
-                    self.check_contained(check, f"{what} {key}", oa.state[p][key], ob.state[q][key], s0[key], idx,
-                                         others, signed=key == "exp_avg")
+                    self.check_contained(
+                        check,
+                        f"{what} {key}",
+                        oa.state[p][key],
+                        ob.state[q][key],
+                        s0[key],
+                        idx,
+                        others,
+                        signed=key == "exp_avg",
+                    )
         self.train(oa, a, 1, start=2)  # and training goes on
         with self.failures() as check:
             for p in a:
-                check.that(torch.isfinite(p).all(), f"shape {tuple(p.shape)}: a non-finite parameter element a "
-                                                    f"step later")
+                check.that(
+                    torch.isfinite(p).all(), f"shape {tuple(p.shape)}: a non-finite parameter element a step later"
+                )
 
     def check_contained(self, check, what, sa, sb, s0, idx, others, signed):
         """A state ``sa`` of run A after the step with bad gradient elements at ``idx``, against ``sb`` of run B
         and ``s0``, A's state (as fp32) before that step: see test_non_finite_gradient_stays_in_its_element."""
         fa, fb, f0 = (x.reshape(-1) for x in (_as_float(sa), _as_float(sb), s0))
-        if not check.that(torch.isfinite(fa).all(), f"{what}: {int((~torch.isfinite(fa)).sum())} non-finite "
-                                                     f"elements, expected none"):
+        if not check.that(
+            torch.isfinite(fa).all(), f"{what}: {int((~torch.isfinite(fa)).sum())} non-finite elements, expected none"
+        ):
             return
         if not isinstance(sa, QuantizedState):
             check.equal(fa[idx], f0[idx], f"{what}: the bad elements' state (it must not move)")
@@ -330,11 +368,17 @@ class OptimizerConformanceCase(expecttest.TestCase):
         check.that(torch.isfinite(scale_a).all(), f"{what}: a non-finite scale")
         bound = frac * (scale_a + scale_b)[block] * ROUNDING
         excess = ((fa - fb).abs() / bound.clamp_min(1e-30))[others]
-        check.that((excess <= 1).all(), f"{what}: the other elements of a block with a bad one differ from run B by "
-                                         f"up to {excess.max().item():.4g} of the bound (two requantization errors)")
+        check.that(
+            (excess <= 1).all(),
+            f"{what}: the other elements of a block with a bad one differ from run B by "
+            f"up to {excess.max().item():.4g} of the bound (two requantization errors)",
+        )
         moved = (fa - f0).abs()[idx] / (frac * scale_a[block[idx]] * ROUNDING).clamp_min(1e-30)
-        check.that((moved <= 1).all(), f"{what}: the bad elements' state moved by up to {moved.max().item():.4g} of "
-                                       f"the bound (one requantization error)")
+        check.that(
+            (moved <= 1).all(),
+            f"{what}: the bad elements' state moved by up to {moved.max().item():.4g} of "
+            f"the bound (one requantization error)",
+        )
 
     def test_lr_schedule_without_recompiles(self):
         """A float lr assigned to ``group["lr"]`` every step, then a tensor lr changed in place, then lr 0: each

@@ -8,19 +8,27 @@ executor is the one used; parity no worse than AdamW's in the same format agains
 same problem; exact resume; a non-finite gradient element contained to its element; an lr that changes every
 step, used at once and compiling nothing new.
 """
+
 from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, Dict, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from torchao_optim.optim import AdamW, Lion8bit, Muon8bit, SGD8bit
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import Failures, save_load
-from torchao_optim.testing.optimizer_case import FP32_REL, FUSED_OPTION, ROUNDING, OptimizerConformanceCase, _as_float, \
-    _graphs
+from torchao_optim.testing.optimizer_case import (
+    FP32_REL,
+    FUSED_OPTION,
+    ROUNDING,
+    OptimizerConformanceCase,
+    _as_float,
+    _graphs,
+)
 
 __all__ = ["RuleConformanceCase", "ReferenceLion", "RULES"]
 
@@ -52,8 +60,9 @@ class ReferenceMuon:
         matrices = [p for p in params if p.dim() == 2]
         others = [p for p in params if p.dim() != 2]
         self.muon = torch.optim.Muon(matrices, lr=lr, **kw)
-        self.adamw = torch.optim.AdamW(others, lr=lr, betas=(0.9, 0.95), eps=1e-8,
-                                       weight_decay=kw.get("weight_decay", 0.1), foreach=False)
+        self.adamw = torch.optim.AdamW(
+            others, lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=kw.get("weight_decay", 0.1), foreach=False
+        )
         self.param_groups = [_LinkedGroup(self.muon.param_groups[0], self.adamw.param_groups[0])]
 
     def step(self):
@@ -80,20 +89,35 @@ class Rule(NamedTuple):
     executors: tuple
 
 
-RULES: Dict[str, Rule] = {
-    "sgd": Rule(lambda ps, **kw: SGD8bit(ps, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
-                lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, dampening=0.1, weight_decay=1e-3,
-                                               foreach=False),
-                1e-2, "momentum_buffer", ("compiled", "eager", "fused", "cpu")),
+RULES: dict[str, Rule] = {
+    "sgd": Rule(
+        lambda ps, **kw: SGD8bit(ps, momentum=0.9, dampening=0.1, weight_decay=1e-3, **kw),
+        lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, dampening=0.1, weight_decay=1e-3, foreach=False),
+        1e-2,
+        "momentum_buffer",
+        ("compiled", "eager", "fused", "cpu"),
+    ),
     "sgd_nesterov_maximize": Rule(
         lambda ps, **kw: SGD8bit(ps, momentum=0.9, nesterov=True, maximize=True, **kw),
         lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True, maximize=True, foreach=False),
-        1e-2, "momentum_buffer", ("compiled", "eager", "fused", "cpu")),
-    "lion": Rule(lambda ps, **kw: Lion8bit(ps, weight_decay=0.1, **kw),
-                 lambda ps, lr: ReferenceLion(ps, lr=lr, weight_decay=0.1), 1e-3, "exp_avg",
-                 ("compiled", "eager", "fused", "cpu")),
-    "muon": Rule(lambda ps, **kw: Muon8bit(ps, **kw),
-                 lambda ps, lr: ReferenceMuon(ps, lr=lr), 2e-2, "momentum_buffer", ("compiled", "eager", "cpu")),
+        1e-2,
+        "momentum_buffer",
+        ("compiled", "eager", "fused", "cpu"),
+    ),
+    "lion": Rule(
+        lambda ps, **kw: Lion8bit(ps, weight_decay=0.1, **kw),
+        lambda ps, lr: ReferenceLion(ps, lr=lr, weight_decay=0.1),
+        1e-3,
+        "exp_avg",
+        ("compiled", "eager", "fused", "cpu"),
+    ),
+    "muon": Rule(
+        lambda ps, **kw: Muon8bit(ps, **kw),
+        lambda ps, lr: ReferenceMuon(ps, lr=lr),
+        2e-2,
+        "momentum_buffer",
+        ("compiled", "eager", "cpu"),
+    ),
 }
 
 
@@ -122,9 +146,14 @@ class RuleConformanceCase(OptimizerConformanceCase):
 
     def optimizer(self, params, lr=None):
         spec = RULES[self.rule]
-        return spec.ours(params, lr=spec.lr if lr is None else lr, state_format=self.format_name,
-                         fused=FUSED_OPTION[self.executor], compile=self.executor != "eager",
-                         min_quant_size=self.min_quant_size)
+        return spec.ours(
+            params,
+            lr=spec.lr if lr is None else lr,
+            state_format=self.format_name,
+            fused=FUSED_OPTION[self.executor],
+            compile=self.executor != "eager",
+            min_quant_size=self.min_quant_size,
+        )
 
     def relative_error(self, ours, ref, start):
         """mean |p - p_ref| / mean |p_ref - p_0| over the parameters with quantized state (and over all, for
@@ -150,8 +179,15 @@ class RuleConformanceCase(OptimizerConformanceCase):
         """AdamW's relative error in this format against torch.optim.AdamW on the same problem: the bound."""
         ours, ref, start = self.params(), self.params(), self.params()
         # eagerly: the compiled path's numbers (its codes bit for bit), without compiling AdamW for each case
-        opt = AdamW(ours, lr=1e-2, weight_decay=0.1, state_format=self.format_name, fused=False, compile=False,
-                    min_quant_size=self.min_quant_size)
+        opt = AdamW(
+            ours,
+            lr=1e-2,
+            weight_decay=0.1,
+            state_format=self.format_name,
+            fused=False,
+            compile=False,
+            min_quant_size=self.min_quant_size,
+        )
         self.train(opt, ours, self.steps)
         self.train(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False), ref, self.steps)
         return self.relative_error(ours, ref, start)
@@ -188,17 +224,18 @@ class RuleConformanceCase(OptimizerConformanceCase):
             if self.format_name == "none":
                 check.at_most(rel, self.fp32_state_bound(), f"shapes {self.shapes}: relative error (fp32 rounding)")
             else:
-                check.at_most(rel, self.adamw_relative_error() * self.parity_slack,
-                              f"shapes {self.shapes}: relative error (against AdamW's in this format, times "
-                              f"{self.parity_slack})")
+                check.at_most(
+                    rel,
+                    self.adamw_relative_error() * self.parity_slack,
+                    f"shapes {self.shapes}: relative error (against AdamW's in this format, times {self.parity_slack})",
+                )
 
     def test_rule_exact_resume(self):
         first = self.params()
         opt = self.optimizer(first)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.7**k)
         self.train(opt, first, 2, sched=sched)
-        ckpt = save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(),
-                          "sched": sched.state_dict()})
+        ckpt = save_load({"params": [p.detach() for p in first], "opt": opt.state_dict(), "sched": sched.state_dict()})
         resumed = [torch.nn.Parameter(t.clone()) for t in ckpt["params"]]
         opt2 = self.optimizer(resumed)
         sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda k: 0.7**k)
@@ -214,8 +251,11 @@ class RuleConformanceCase(OptimizerConformanceCase):
         """As the Adam case: bad elements do not move, their states stay within one requantization error, clean
         blocks of the states are bit-identical to a run with finite values there, and every other parameter
         element is bit-identical (Muon: finite; its orthogonalization mixes the whole matrix)."""
-        bad = [((3, float("nan")), (200, float("inf"))), ((5, float("nan")), (290, -float("inf"))),
-               ((10, float("nan")),)]
+        bad = [
+            ((3, float("nan")), (200, float("inf"))),
+            ((5, float("nan")), (290, -float("inf"))),
+            ((10, float("nan")),),
+        ]
         a, b, oa, ob, before = self.step_with_bad_gradients(bad)
         with self.failures() as check:
             for p, q, hits, (p0, s0) in zip(a, b, bad, before):
@@ -224,21 +264,32 @@ class RuleConformanceCase(OptimizerConformanceCase):
                 others = torch.ones(p.numel(), dtype=torch.bool, device=p.device)
                 others[idx] = False
                 check.equal(p.view(-1)[idx], p0.view(-1)[idx], f"{what}: the bad elements (they must not move)")
-                check.that(torch.isfinite(p).all(), f"{what}: {int((~torch.isfinite(p)).sum())} non-finite "
-                                                    f"parameter elements, expected none")
+                check.that(
+                    torch.isfinite(p).all(),
+                    f"{what}: {int((~torch.isfinite(p)).sum())} non-finite parameter elements, expected none",
+                )
                 if not (self.rule == "muon" and p.dim() == 2):
                     check.equal(p.view(-1)[others], q.view(-1)[others], f"{what}: the other elements, against run B")
                 for key, sa in oa.state[p].items():
                     if key != "step":
-                        self.check_bad_elements_state(check, f"{what} {key}", sa, ob.state[q][key], s0[key], idx,
-                                                      others, signed=key != "exp_avg_sq")
+                        self.check_bad_elements_state(
+                            check,
+                            f"{what} {key}",
+                            sa,
+                            ob.state[q][key],
+                            s0[key],
+                            idx,
+                            others,
+                            signed=key != "exp_avg_sq",
+                        )
 
     def check_bad_elements_state(self, check, what, sa, sb, s0, idx, others, signed):
         """The state of the bad elements within one requantization error of where it was; blocks without a bad
         element bit-identical to run B's (plain state: the bad elements' unchanged, the others equal to B's)."""
         fa, fb, f0 = (x.reshape(-1) for x in (_as_float(sa), _as_float(sb), s0))
-        if not check.that(torch.isfinite(fa).all(), f"{what}: {int((~torch.isfinite(fa)).sum())} non-finite "
-                                                     f"elements, expected none"):
+        if not check.that(
+            torch.isfinite(fa).all(), f"{what}: {int((~torch.isfinite(fa)).sum())} non-finite elements, expected none"
+        ):
             return
         if not isinstance(sa, QuantizedState):
             check.equal(fa[idx], f0[idx], f"{what}: the bad elements' state (it must not move)")
@@ -254,21 +305,30 @@ class RuleConformanceCase(OptimizerConformanceCase):
             keep = ~hit if name in sa.blockwise_fields else (~hit[block])[:: math.ceil(numel / x.numel())]
             check.equal(x[keep], y[keep], f"{what}.{name}: the blocks without a bad element, against run B")
         moved = (fa - f0).abs()[idx] / (frac * scale_a[block[idx]] * ROUNDING).clamp_min(1e-30)
-        check.that((moved <= 1).all(), f"{what}: the bad elements' state moved by up to {moved.max().item():.4g} of "
-                                       f"the bound (one requantization error)")
+        check.that(
+            (moved <= 1).all(),
+            f"{what}: the bad elements' state moved by up to {moved.max().item():.4g} of "
+            f"the bound (one requantization error)",
+        )
 
     def test_rule_lr_schedule_without_recompiles(self):
         """Float lrs assigned every step, then a tensor lr changed in place: the reference with the same schedule
         is followed within the parity bound, and nothing compiles after the first step; lr 0 moves nothing."""
         spec = RULES[self.rule]
-        bound = self.fp32_state_bound() if self.format_name == "none" else (
-            self.adamw_relative_error() * self.parity_slack)  # before counting graphs: it compiles AdamW's
+        bound = (
+            self.fp32_state_bound() if self.format_name == "none" else (self.adamw_relative_error() * self.parity_slack)
+        )  # before counting graphs: it compiles AdamW's
         ours, ref, start = self.params(), self.params(), self.params()
         opt = self.optimizer(ours)
         r = spec.reference(ref, lr=spec.lr)
         tensor_lr = torch.tensor(0.0, device=self.device)
-        schedule = [(spec.lr, False), (spec.lr * 0.3, False), (spec.lr * 2, False), (spec.lr * 0.4, True),
-                    (spec.lr * 1.5, True)]
+        schedule = [
+            (spec.lr, False),
+            (spec.lr * 0.3, False),
+            (spec.lr * 2, False),
+            (spec.lr * 0.4, True),
+            (spec.lr * 1.5, True),
+        ]
         graphs = None
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)
@@ -292,4 +352,3 @@ class RuleConformanceCase(OptimizerConformanceCase):
             check.values(_graphs() - graphs, 0, "graphs compiled after the first lr change")
             for p, p0 in zip(ours, still):  # every rule's weight decay is scaled by lr too
                 check.equal(p.detach(), p0, f"shape {tuple(p.shape)}: lr 0 (it must not move)")
-
