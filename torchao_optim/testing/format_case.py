@@ -33,7 +33,9 @@ def _state_lerp(state, g, w):
 
 class StateFormatTestCase(expecttest.TestCase):
     """Set ``format_name``; ``max_error`` is the largest |x - dequantize(quantize(x))| allowed, as a fraction
-    of the block's absmax, for ``signed=True`` and ``signed=False``."""
+    of the block's absmax, for ``signed=True`` and ``signed=False``; ``block_size`` (default 256) is the block
+    size every check quantizes with (set it to the format's ``default_block_size`` where that differs). A format
+    whose scales are not per block overrides :meth:`quant_errors`. docs/adding-a-format.md lists the rest."""
 
     format_name: str = ""
     max_error = {True: 0.0, False: 0.0}
