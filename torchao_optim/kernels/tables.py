@@ -22,7 +22,7 @@ __all__ = ["FLAT_MAX_BITS", "layout_tables", "decode_table", "flat_shift", "code
 # The encoder in one table load (codec.flat_keyed) for a codebook whose exponents need at most this many mantissa
 # bits each (a table of 512 << bits int32); two loads for the others (0: always two). The 4-bit codebooks need 3, the
 # dynamic 8-bit maps 7 (256 KB, of which a step reads the rows of the exponents its values have). Measured on an H200
-# with benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, runs AS and AT): 4-bit bf16 12% faster
+# with benchmarks/tune_fused.py, TinyLlama geometry (figures in benchmarks/README.md): 4-bit bf16 12% faster
 # (with the byte-pair decode), dtq8 bf16 6% (ViT-B too); fp32 parameters, at their floor already, unchanged.
 FLAT_MAX_BITS = 7
 

@@ -28,7 +28,7 @@ COMPILE_OPTIONS = {
     # The codebook gathers index a 256-entry table with indexes built in range; bounds asserts cost time.
     "assert_indirect_indexing": False,
     # Reductions over a block (the absmax) as looped reductions, one block per program, not as persistent ones.
-    # On the H200 (ViT-B, fp32; benchmarks/README.md, runs BE and BF) the dtq8 and 4-bit steps got faster (2.11 ->
+    # On the H200 (ViT-B, fp32; figures in benchmarks/README.md) the dtq8 and 4-bit steps got faster (2.11 ->
     # 1.61 ms, 2.13 -> 1.95 ms; 4-bit rank-1's stayed within 2%, 4.78 -> 4.85 ms) and so did the cold first steps of
     # 4-bit formats (14.2 -> 7.3 s, rank-1 17.0 -> 11.9 s). A persistent reduction over blocks of 128 has three
     # Triton configurations to autotune, compiled one after another; for the step's largest kernel (the absmax

@@ -46,7 +46,7 @@ NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduc
 MAXNREG = None  # where set, the register cap of every two-state kernel instead of REGISTER_CAPS' (0: none)
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 registers for
 # these) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200 with
-# benchmarks/tune_fused.py, TinyLlama geometry (benchmarks/README.md, run X for 8-bit and run AS for 4-bit): 8-bit
+# benchmarks/tune_fused.py, TinyLlama geometry (the figures are in benchmarks/README.md): 8-bit
 # bf16 4.5% faster than uncapped, 4-bit bf16 6.5%, and 4-bit fp32 6.8% faster than under its earlier cap of 104.
 # 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
 # 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
