@@ -175,7 +175,7 @@ def test_gpu_holds_two_slots_not_the_state():
     opt.step()
     torch.cuda.synchronize()
     grown = torch.cuda.memory_allocated() - before
-    slots = 2 * opt._slots.nbytes
+    slots = 2 * opt._offload.slots.nbytes
     assert slots == 2 * offload.CHUNK_BYTES
     assert grown < slots + (4 << 20), (grown, slots)  # the slots and the plans' small tables
     state_bytes = sum(offload.state_nbytes(v) for s in opt.state.values() for k, v in s.items() if k != "step")

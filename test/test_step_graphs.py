@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchao_optim
-from torchao_optim.optim import replay
+from torchao_optim.optim import dispatch, replay
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
 
@@ -108,13 +108,13 @@ def test_a_group_that_cannot_be_captured_steps_without_a_graph(monkeypatch):
     # leaves the group stepping from Python, with the same results
     params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in SHAPES]
     opt = torchao_optim.AdamW(params, fused=False, min_quant_size=512)
-    real = opt._step_compiled
+    real = dispatch.step_compiled
 
     def with_a_host_copy(*args):
         torch.ones(4).to("cuda")
         return real(*args)
 
-    monkeypatch.setattr(opt, "_step_compiled", with_a_host_copy)
+    monkeypatch.setattr(dispatch, "step_compiled", with_a_host_copy)
     for p in params:
         p.grad = torch.ones_like(p)  # in place from here on: the signature repeats
     with pytest.warns(RuntimeWarning, match="could not capture"):
@@ -139,10 +139,8 @@ class _Recorded:
 def cpu_graphs(monkeypatch):
     """Replay on the CPU: every step reports (signature, what happened, which way) to the returned list; the way
     is "full" (the signature built and compared) or "steady" (replay.Steady's checks only)."""
-    from torchao_optim.optim import base
-
     events = []
-    monkeypatch.setattr(base.LowBitOptimizer, "_replay_device", lambda self, group, params: torch.device("cpu"))
+    monkeypatch.setattr(dispatch, "replay_device", lambda optimizer, group, params: torch.device("cpu"))
     monkeypatch.setattr(replay.StepGraph, "_capture", lambda self, work, device: _Recorded(work))
     real_run, real_again = replay.StepGraph.run, replay.StepGraph.again
 

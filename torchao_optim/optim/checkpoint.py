@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.sharded import is_dtensor, like_param, local, local_part
+from torchao_optim.optim.state_form import block_size_for, format_for, plain_state_dtype, state_device
 from torchao_optim.state import QuantizedState
 
 __all__ = ["checked_state", "checked_step", "checked_moment", "check_usable"]
@@ -190,8 +191,8 @@ def checked_moment(optimizer, p: Tensor, group: dict, key: str, value: Any, wher
         raise ValueError(f"{where} must be a tensor, got {type(value).__name__}")
     if value.shape != p.shape:
         raise ValueError(f"{where} has shape {tuple(value.shape)}; expected the parameter's {tuple(p.shape)}")
-    fmt = optimizer._format_for(p, group)
-    block_size = None if fmt is None else optimizer._block_size_for(p, group, fmt)
+    fmt = format_for(p, group)
+    block_size = None if fmt is None else block_size_for(p, group, fmt)
     if is_dtensor(p) or is_dtensor(value):
         return _checked_sharded_moment(optimizer, p, fmt, block_size, key, value, where)
     return _checked_local(optimizer, p, fmt, block_size, key, value, where)
@@ -231,7 +232,7 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
     """``value`` (a plain tensor or a quantized state, of ``p``'s shape) checked and converted to ``fmt`` with
     ``block_size`` (None: plain state) where the optimizer keeps ``p``'s state (its device, or host memory with
     ``offload_state``)."""
-    device = optimizer._state_device(p)
+    device = state_device(optimizer, p)
     if value.shape != p.shape:
         raise ValueError(
             f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's {tuple(p.shape)}"
@@ -254,5 +255,5 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
         rule = "finite" if signed else "finite and >= 0"
         raise ValueError(f"{where} must be {rule}; element {i} (flat) holds {value.reshape(-1)[i].item()}")
     if fmt is None:
-        return value.to(device=device, dtype=optimizer._plain_state_dtype(p), copy=True).contiguous()
+        return value.to(device=device, dtype=plain_state_dtype(p), copy=True).contiguous()
     return fmt.from_float(value.to(device=device, dtype=torch.float32), signed=signed, block_size=block_size)

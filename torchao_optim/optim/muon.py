@@ -14,16 +14,10 @@ import math
 import torch
 from torch import Tensor
 
-from torchao_optim.optim.base import (
-    LowBitOptimizer,
-    as_float,
-    check_bool,
-    check_number,
-    check_storage,
-    flat_aliases,
-    number,
-)
+from torchao_optim.optim.base import LowBitOptimizer
+from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.compiled_path import flat_aliases
 from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.rules import ADAM, adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param
 

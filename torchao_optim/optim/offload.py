@@ -31,7 +31,9 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import GroupPlan, plan_key
+from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.optim.snapshot import StateSnapshot
+from torchao_optim.optim.state_form import new_state_tensor, offloads
 from torchao_optim.rules import FusedRule
 from torchao_optim.state import QuantizedState
 
@@ -243,3 +245,78 @@ def _materialized(state: Tensor, device: torch.device) -> Tensor:
     if isinstance(state, QuantizedState):
         return type(state).zeros(state.shape, device=device, dtype=state.dtype, **state.attrs())
     return torch.zeros(state.shape, dtype=state.dtype, device=device)
+
+
+class Offloader:
+    """An optimizer's ``offload_state`` machinery: its GPU window (two slots, sized once for its largest
+    parameter), and, when it steps in backward, the order the hooks ran in last time, to prefetch the next
+    parameter's state while this one steps."""
+
+    def __init__(self) -> None:
+        self.slots: Slots | None = None
+        self._next: dict[int, int] = {}  # id(param) -> id(the param stepped after it, last time)
+        self._last: int | None = None
+
+    def wait(self) -> None:
+        """Before the host state is read or replaced: wait for the copies back, and forget which chunks the slots
+        hold (the host copy may change under them)."""
+        if self.slots is not None:
+            self.slots.forget()
+
+    def slots_for(self, optimizer, device: torch.device) -> Slots:
+        """The window on ``device``: two slots of the largest chunk, sized once for every parameter of the
+        optimizer (so that stepping parameter by parameter, in backward, never outgrows them)."""
+        if self.slots is not None and self.slots.device != device:
+            raise ValueError(
+                f"{type(optimizer).__name__}(offload_state=True) streams state through one GPU; "
+                f"parameters on {self.slots.device} and {device}: use one optimizer per device"
+            )
+        if self.slots is None:
+            largest = 0
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if offloads(optimizer, p):
+                        n = sum(
+                            state_nbytes(new_state_tensor(optimizer, p, group, optimizer._signed(k)))
+                            for k in optimizer._state_keys(group, p)
+                        )
+                        largest = max(largest, n)
+            self.slots = Slots(max(CHUNK_BYTES, largest), device)
+        return self.slots
+
+    def step(self, optimizer, group, params: list[Tensor], states: list[dict], rule: FusedRule, plan_cache, flags):
+        """The step of ``params`` (all offloaded) with their states streamed through the GPU in chunks."""
+        device = params[0].device
+        slots = self.slots_for(optimizer, device)
+        first = optimizer._rounding(params[:1])[0][0]  # stepping one parameter at a time, they alternate slots
+        chunks, rest = plan_offloaded(
+            plan_cache(), params, states, rule, slots, optimizer._interpreter, optimizer._rounding, first_slot=first
+        )
+        if rest:
+            refuse_unplanned(optimizer, params, states, rest)
+        hp = optimizer._hyperparams(group, device)
+        slots.run(chunks, lambda plan: plan.launch(hp, **flags))
+        in_backward = optimizer._in_backward
+        if in_backward is not None:  # one parameter at a time: copy in the one backward reached next last time
+            previous, self._last = self._last, id(params[0])
+            if previous is not None:
+                self._next[previous] = id(params[0])
+            upcoming = in_backward.get(self._next.get(id(params[0])))
+            if upcoming is not None and "chunks" in upcoming[1]:
+                for chunk in upcoming[1]["chunks"]:
+                    slots.prefetch(chunk)
+
+
+def refuse_unplanned(optimizer, params: list[Tensor], states: list[dict], rest) -> None:
+    """A parameter the fused path does not cover is refused by name (its states, not yet made, are dropped: the
+    optimizer stays usable)."""
+    for i in rest:
+        for key in [k for k, v in states[i].items() if isinstance(v, Tensor) and v.is_meta]:
+            del states[i][key]
+    p = params[rest[0]]
+    raise ValueError(
+        f"{type(optimizer).__name__}(offload_state=True): a parameter of shape {tuple(p.shape)} "
+        f"({p.dtype}, {p.device}{', a DTensor' if is_dtensor(p) else ''}) is not covered by the "
+        f"fused CUDA path, through which offloaded state is streamed (see docs/bigger-models.md, "
+        f"'Offloaded state')"
+    )

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from torchao_optim.optim.base import alias, step_shape
 from torchao_optim.optim.compiled import CompiledOrEager
+from torchao_optim.optim.compiled_path import alias, step_shape
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = ["quantize_optimizer_state", "UNSIGNED_STATE_KEYS", "SUPPORTED_OPTIMIZERS"]

@@ -37,9 +37,11 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import _GRAD
+from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.optim.snapshot import StateSnapshot
+from torchao_optim.optim.state_form import state_tensors
 
-__all__ = ["ENABLED", "StepGraph", "Steady"]
+__all__ = ["ENABLED", "StepGraph", "Steady", "replay_device", "replay_steady", "run_replayed"]
 
 ENABLED = True
 REPEATS = 2  # steps with the same signature before capturing: the first ones compile and settle the caches
@@ -177,3 +179,103 @@ class Steady:
         ):
             return None
         return grads, addresses
+
+
+def replay_steady(optimizer, group) -> bool:
+    """Step ``group`` by replaying its graph if its last step was replayed and nothing that step depended on has
+    changed (:class:`Steady`); False where the whole way must decide."""
+    graph = optimizer._graphs.get(id(group))
+    steady = graph.steady if graph is not None else None
+    if steady is None or not ENABLED:
+        return False
+    found = steady.grads_if_unchanged(group)
+    if found is None or steady.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    cache = optimizer._plans.get(id(group), {})
+    if cache.get("plans") is not steady.plans:
+        return False  # planned again since (a step traced by torch.compile plans through the same cache)
+    with_grad = optimizer._with_grad.get(id(group))
+    if with_grad is None or with_grad[3] is not steady.snapshot or not steady.snapshot.holds(optimizer.state):
+        return False  # a state replaced, removed or reset: the whole way adopts it and plans again
+    # the plans' tables follow moved gradients (outside the graph); a gradient that is not contiguous, moved or a
+    # view at the same address, sends the step the full way, which plans its parameter again
+    grads, addresses = found
+    if not all([plan.refresh_grads(addresses, grads) for plan in steady.plans]):
+        return False
+    if addresses != steady.grad_addresses:
+        if tuple(plan.grads_aligned for plan in steady.plans) != steady.aligned:
+            return False  # the graph was captured for the other alignment: the signature differs
+        steady.grad_addresses = addresses
+    optimizer._hyperparams(group, steady.device)
+    graph.again()
+    return True
+
+
+def replay_device(optimizer, group, params: list[Tensor]) -> torch.device | None:
+    """The CUDA device whose graph may replay the step of ``params`` (``group``'s with gradients), or None where
+    none may: see this module's docstring for when."""
+    if not params or not ENABLED or optimizer._offload_state or optimizer._in_backward is not None:
+        return None
+    cached = optimizer._replayable.get(id(group))
+    if cached is None or cached[0] is not params:  # decided once per list of parameters
+        device = params[0].device
+        if device.type != "cuda" or any(p.device != device or is_dtensor(p) for p in params):
+            device = None
+        cached = optimizer._replayable[id(group)] = (params, device)
+    if cached[1] is None or torch.cuda.is_current_stream_capturing():
+        return None
+    return cached[1]
+
+
+def run_replayed(optimizer, group, params, plans, compiled, rest, addresses, work, device, plan_cache) -> None:
+    """Do ``work`` (the step of ``params``: the fused ``plans``, then the compiled path for ``compiled``, the
+    parameters at ``rest``) through ``group``'s :class:`StepGraph` on ``device``, under the step's signature; and
+    record a :class:`Steady` where the next step may take the short way."""
+    # Outside the graph too: the hyperparameters, refilled in place where a number changed; then what says whether
+    # the graph still holds.
+    optimizer._hyperparams(group, device)
+    # The numbers the hyperparameter tensor carries are data (refilled above); a tensor is read by address;
+    # anything else the step may read as a constant (a flag, Muon's eps): it is part of the signature.
+    data = {id(x) for x in optimizer._hyperparam_values(group) if not isinstance(x, Tensor)}
+    data_keys = {
+        k for k, v in group.items() if id(v) in data or isinstance(v, tuple) and v and all(id(x) in data for x in v)
+    }
+    settings, tensors = [], []
+    for k, v in group.items():
+        if isinstance(v, Tensor):
+            settings.append((k, id(v)))
+            tensors.append(v)
+        elif k != "params" and k not in data_keys:
+            settings.append((k, v))
+    if compiled[0]:  # what the compiled path's kernels read by address: parameters, gradients, states
+        if addresses is None:
+            addresses = tuple(map(Tensor.data_ptr, map(_GRAD, params)))
+        read = (
+            tuple(map(Tensor.data_ptr, compiled[0])),
+            tuple(addresses[i] for i in rest),
+            tuple(map(Tensor.data_ptr, state_tensors(optimizer, group, *compiled))),
+        )
+    else:
+        read = ()
+    signature = (
+        id(params),
+        tuple(settings),
+        tuple(id(plan) for plan in plans),
+        tuple(plan.grads_aligned for plan in plans),
+        read,
+    )
+    graph = optimizer._graphs.setdefault(id(group), StepGraph())
+    replayed = graph.run(signature, (params, plans, tensors), work, device)
+    # replayed, fused only, every parameter with a gradient: the next step may take the short way, and the state it
+    # was made from is the state now (checked once here; the short way checks only that nothing changed since)
+    with_grad = optimizer._with_grad.get(id(group))
+    if (
+        replayed
+        and not compiled[0]
+        and addresses is not None
+        and len(params) == len(group["params"])
+        and with_grad is not None
+        and with_grad[1] is params
+        and with_grad[3].holds(optimizer.state)
+    ):
+        graph.steady = Steady(group, plan_cache()["addresses"], addresses, plans, device, data_keys, with_grad[3])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from torchao_optim.optim.base import LowBitOptimizer, as_float, check_bool, check_number, check_storage, flat_aliases
+from torchao_optim.optim.base import LowBitOptimizer
+from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage
+from torchao_optim.optim.compiled_path import flat_aliases
 from torchao_optim.rules import SGD, sgd_coefficients, sgd_update
 
 __all__ = ["SGD8bit"]

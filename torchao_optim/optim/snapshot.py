@@ -6,7 +6,7 @@
 keeps for speed (fused plans and their pointer tables, CUDA graphs, per-parameter plans in backward) was made
 from particular state objects. A :class:`StateSnapshot` records them, and each step compares, by identity, what
 the state holds now: a few passes over the parameters in C, no tensor is read. Any difference sends the step the
-whole way, which adopts the new state (:meth:`~torchao_optim.optim.base.LowBitOptimizer._adopt_state`) and plans
+whole way, which adopts the new state (:func:`~torchao_optim.optim.adopt.adopt_state`) and plans
 again.
 
 The caches also hold the storages of every tensor they point at (:func:`storages`), so that even a change this

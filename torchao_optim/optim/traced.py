@@ -30,6 +30,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from torchao_optim.optim import dispatch
+
 __all__ = ["register", "step_group"]
 
 _OPTIMIZERS: weakref.WeakValueDictionary[int, torch.optim.Optimizer] = weakref.WeakValueDictionary()
@@ -47,13 +49,13 @@ def register(optimizer) -> int:
 def step_group(params: list[Tensor], grads: list[Tensor], tensors: list[Tensor], optimizer: int, group: int) -> None:
     """One step of parameter group ``group`` of the optimizer registered as ``optimizer``: ``params`` are the
     group's parameters that have a gradient, ``grads`` those gradients, ``tensors`` the tensors holding their
-    states, in the order of the optimizer's ``_group_tensors``."""
+    states, in the order of :func:`~torchao_optim.optim.state_form.state_tensors`."""
     opt = _OPTIMIZERS.get(optimizer)
     if opt is None:
         raise RuntimeError(
             f"torchao_optim::step_: optimizer {optimizer} no longer exists (a compiled step outlived its optimizer)"
         )
-    opt._step_group_with(opt.param_groups[group], params, grads, tensors)
+    dispatch.step_group_with(opt, opt.param_groups[group], params, grads, tensors)
 
 
 @step_group.register_fake

@@ -46,8 +46,8 @@ def n_blocks(numel: int, block_size: int) -> int:
 
 def _whole_blocks(shape, block_size: int) -> bool:
     """Whether ``shape`` is already whole blocks, ``(n_blocks, block_size)``: the compiled path's shape for a
-    quantized parameter (``optim.base.step_shape``), with its block-size dimension static. Flattening and slicing
-    are then skipped: each would be more symbolic arithmetic to trace, for the same values."""
+    quantized parameter (``optim.compiled_path.step_shape``), with its block-size dimension static. Flattening and
+    slicing are then skipped: each would be more symbolic arithmetic to trace, for the same values."""
     return len(shape) == 2 and shape[1] == block_size
 
 
