@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
@@ -142,26 +143,26 @@ class Adam(LowBitOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=0.0,
-        amsgrad=False,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
         *,
-        maximize=False,
-        state_format="dtq8",
-        block_size=None,
-        min_quant_size=4096,
-        compile=True,
-        fused=None,
-        decoupled_weight_decay=False,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        bf16_stochastic_round=False,
-        offload_state=False,
-    ):
+        maximize: bool = False,
+        state_format: str = "dtq8",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        compile: bool = True,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        bf16_stochastic_round: bool = False,
+        offload_state: bool = False,
+    ) -> None:
         _check_hyperparams(lr, betas, eps, weight_decay, block_size, min_quant_size)
         defaults = dict(
             lr=lr,
@@ -236,25 +237,25 @@ class AdamW(Adam):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        betas=(0.9, 0.999),
-        eps=1e-8,
-        weight_decay=1e-2,
-        amsgrad=False,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        maximize=False,
-        state_format="dtq8",
-        block_size=None,
-        min_quant_size=4096,
-        compile=True,
-        fused=None,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        bf16_stochastic_round=False,
-        offload_state=False,
-    ):
+        maximize: bool = False,
+        state_format: str = "dtq8",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        compile: bool = True,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        bf16_stochastic_round: bool = False,
+        offload_state: bool = False,
+    ) -> None:
         super().__init__(
             params,
             lr,

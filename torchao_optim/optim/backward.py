@@ -42,7 +42,7 @@ class StepInBackward:
 
 
 def step_in_backward(
-    model: torch.nn.Module | Iterable[torch.Tensor], optimizer: LowBitOptimizer, max_grad_norm=None
+    model: torch.nn.Module | Iterable[torch.Tensor], optimizer: LowBitOptimizer, max_grad_norm: float | None = None
 ) -> StepInBackward:
     """Update each of ``optimizer``'s parameters as soon as backward has accumulated its gradient, then free
     the gradient (see the module docstring). ``model`` is the module (or the parameters) being trained: every

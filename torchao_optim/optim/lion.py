@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage
@@ -50,23 +51,23 @@ class Lion8bit(LowBitOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-4,
-        betas=(0.9, 0.99),
-        weight_decay=0.0,
+        params: ParamsT,
+        lr: float | Tensor = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.99),
+        weight_decay: float = 0.0,
         *,
-        maximize=False,
-        state_format="dtq8",
-        block_size=None,
-        min_quant_size=4096,
-        compile=True,
-        fused=None,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        bf16_stochastic_round=False,
-        offload_state=False,
-    ):
+        maximize: bool = False,
+        state_format: str = "dtq8",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        compile: bool = True,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        bf16_stochastic_round: bool = False,
+        offload_state: bool = False,
+    ) -> None:
         _check(lr, betas, weight_decay)
         check_storage(block_size, min_quant_size)
         defaults = dict(

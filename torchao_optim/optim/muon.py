@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
@@ -116,31 +117,31 @@ class Muon8bit(LowBitOptimizer):
 
     def __init__(
         self,
-        params,
-        lr=1e-3,
-        weight_decay=0.1,
-        momentum=0.95,
-        nesterov=True,
-        ns_coefficients=NS_COEFFICIENTS,
-        eps=NS_EPS,
-        ns_steps=NS_STEPS,
-        adjust_lr_fn=None,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = NS_EPS,
+        ns_steps: int = NS_STEPS,
+        adjust_lr_fn: str | None = None,
         *,
-        adamw_betas=(0.9, 0.95),
-        adamw_eps=1e-8,
-        use_muon=None,
-        maximize=False,
-        state_format="dtq8",
-        block_size=None,
-        min_quant_size=4096,
-        compile=True,
-        fused=None,
-        foreach=None,
-        capturable=False,
-        differentiable=False,
-        bf16_stochastic_round=False,
-        offload_state=False,
-    ):
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        use_muon: bool | None = None,
+        maximize: bool = False,
+        state_format: str = "dtq8",
+        block_size: int | None = None,
+        min_quant_size: int = 4096,
+        compile: bool = True,
+        fused: bool | None = None,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        bf16_stochastic_round: bool = False,
+        offload_state: bool = False,
+    ) -> None:
         if capturable:
             raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
         if offload_state:

@@ -20,13 +20,16 @@ raises ``NotImplementedError`` naming the op (docs/state_formats.md, "Adding an 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch._prims_common import infer_size
 from torch.utils._pytree import tree_map
 
 from torchao_optim.quant.blockwise import n_blocks
+
+if TYPE_CHECKING:
+    from torchao_optim.state.layout import StateLayout
 
 aten = torch.ops.aten
 
@@ -80,7 +83,7 @@ class QuantizedState(torch.Tensor):
         torch.serialization.add_safe_globals([cls])
 
     @classmethod
-    def implements_op(cls, ops: Sequence[Any]):
+    def implements_op(cls, ops: Sequence[Any]) -> Callable:
         """Like :func:`implements`, for this format (and its subclasses) only."""
 
         def decorator(fn):
@@ -120,17 +123,17 @@ class QuantizedState(torch.Tensor):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement dequantize")
 
-    def fast_path_layout(self):
+    def fast_path_layout(self) -> StateLayout | None:
         """The :class:`~torchao_optim.state.layout.StateLayout` the fused CUDA engine reads, or None if this
         format cannot be described that way (it then takes the compiled path)."""
         return None
 
     @classmethod
-    def zeros_fields(cls, shape, device, **attrs) -> dict[str, torch.Tensor]:
+    def zeros_fields(cls, shape: Sequence[int], device: torch.device | str | None, **attrs) -> dict[str, torch.Tensor]:
         return cls.quantize_fields(torch.zeros(shape, device=device), **attrs)
 
     @classmethod
-    def check_attrs(cls, shape, **attrs) -> None:
+    def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
         """Raise ValueError if a tensor of ``shape`` cannot be stored with ``attrs``."""
         block_size = attrs.get("block_size")
         if not isinstance(block_size, int) or block_size <= 0:
@@ -143,7 +146,14 @@ class QuantizedState(torch.Tensor):
         return attrs
 
     @classmethod
-    def zeros(cls, shape, *, device=None, dtype=torch.float32, **attrs):
+    def zeros(
+        cls,
+        shape: Sequence[int],
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+        **attrs,
+    ) -> QuantizedState:
         """A quantized tensor of zeros of ``shape``, dequantizing to ``dtype``."""
         shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
         attrs = cls._attrs(**attrs)
@@ -166,7 +176,7 @@ class QuantizedState(torch.Tensor):
         an unsigned format refuses negative values rather than storing their magnitude)."""
 
     @classmethod
-    def from_float(cls, x: torch.Tensor, **attrs):
+    def from_float(cls, x: torch.Tensor, **attrs) -> QuantizedState:
         """Quantize a float tensor (any layout); the result dequantizes to ``x.dtype``."""
         if not isinstance(x, torch.Tensor) or isinstance(x, QuantizedState):
             raise TypeError(f"{cls.__name__}.from_float expects a plain float tensor, got {type(x).__name__}")
@@ -209,7 +219,7 @@ class QuantizedState(torch.Tensor):
                         f"block {i} holds {got[i].item()}"
                     )
 
-    def share_memory_(self):
+    def share_memory_(self) -> QuantizedState:
         """Move every inner tensor to shared memory (``torch.multiprocessing``, Hogwild training); in place."""
         # The wrapper itself has no storage of its own to share.
         for inner in self.fields().values():
@@ -233,10 +243,10 @@ class QuantizedState(torch.Tensor):
     def fields(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.tensor_fields()}
 
-    def same_layout(self, other) -> bool:
+    def same_layout(self, other: QuantizedState) -> bool:
         return type(other) is type(self) and other.shape == self.shape and other.attrs() == self.attrs()
 
-    def assign(self, value: torch.Tensor):
+    def assign(self, value: torch.Tensor) -> QuantizedState:
         """Requantize ``value`` (broadcast to this shape) into this tensor's storage, in place."""
         value = value.expand(self.shape) if value.shape != self.shape else value
         new = self.quantize_fields(value, **self.attrs())

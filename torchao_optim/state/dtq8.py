@@ -38,7 +38,7 @@ class DTQ8bitTensor(CodebookState):
         return super()._attrs(block_size=block_size, signed=signed, **attrs)
 
     @classmethod
-    def layout(cls, *, signed, block_size):
+    def layout(cls, *, signed: bool, block_size: int) -> StateLayout:
         # The unsigned map holds exp_avg_sq, which Adam divides by: a positive value never encodes to 0.
         return StateLayout(
             codes="codes",

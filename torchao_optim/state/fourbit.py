@@ -26,13 +26,14 @@ its parameters take the per-parameter compiled path.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
 from torchao_optim.quant import dynamic_map_values, pack_nibbles, quantize_nearest, unpack_nibbles
 from torchao_optim.quant.blockwise import TINY, codebook_tensor
-from torchao_optim.state.base import _slice, aten
+from torchao_optim.state.base import QuantizedState, _slice, aten
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
 from torchao_optim.state.registry import register_state_format
@@ -76,7 +77,7 @@ class FourBitTensor(CodebookState):
         return super()._attrs(block_size=block_size, signed=signed, **attrs)
 
     @classmethod
-    def layout(cls, *, signed, block_size, **_):
+    def layout(cls, *, signed: bool, block_size: int, **_) -> StateLayout:
         # No zero level for exp_avg_sq, so never_zero has nothing to lift: 0 < v < absmax/32 encodes to 1/16.
         codebook = _FIRST_MOMENT_MAPS[cls.first_moment]() if signed else linear_map_without_zero(4)
         return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=codebook, bits=4)
@@ -139,11 +140,11 @@ class FourBitRank1Tensor(FourBitTensor):
         return attrs
 
     @classmethod
-    def zeros(cls, shape, **attrs):
+    def zeros(cls, shape: Sequence[int], **attrs) -> QuantizedState:
         return super().zeros(shape, **cls._with_rows(shape, attrs))
 
     @classmethod
-    def from_float(cls, x, **attrs):
+    def from_float(cls, x: torch.Tensor, **attrs) -> QuantizedState:
         return super().from_float(x, **cls._with_rows(getattr(x, "shape", ()), attrs))
 
     @classmethod
@@ -151,13 +152,13 @@ class FourBitRank1Tensor(FourBitTensor):
         return dict(super()._attrs(**attrs), rows=0 if rows is None else rows)
 
     @classmethod
-    def matches_layout(cls, value, *, signed, block_size) -> bool:
+    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int) -> bool:
         # rows follows from the shape, as for a new state of it
         expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size)))
         return type(value) is cls and value.attrs() == expected
 
     @classmethod
-    def check_attrs(cls, shape, **attrs) -> None:
+    def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
         super().check_attrs(shape, **attrs)
         rows, numel = attrs["rows"], torch.Size(shape).numel()
         if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or numel % rows)):

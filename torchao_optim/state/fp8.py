@@ -97,7 +97,7 @@ class Fp8Tensor(CodebookState):
         return super()._attrs(block_size=block_size, signed=signed, **attrs)
 
     @classmethod
-    def layout(cls, *, signed, block_size):
+    def layout(cls, *, signed: bool, block_size: int) -> StateLayout:
         kind = cls.first_moment if signed else cls.second_moment
         return StateLayout(
             codes="codes",

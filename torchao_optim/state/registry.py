@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 __all__ = ["register_state_format", "get_state_format", "list_state_formats"]
 
 _FORMATS: dict[str, type] = {}
 
 
-def register_state_format(name: str):
+def register_state_format(name: str) -> Callable[[type], type]:
     """Class decorator: make a :class:`~torchao_optim.state.QuantizedState` subclass available as ``name``."""
     if not isinstance(name, str) or not name or name == "none":
         raise ValueError(f"a state format name must be a non-empty string other than 'none', got {name!r}")
