@@ -28,7 +28,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["cpu_kernels", "cpu_kernels_available", "cpu_dtypes", "cpu_rules", "cpu_rule", "quantize_nearest_cpu"]
+__all__ = [
+    "cpu_kernels",
+    "cpu_kernels_available",
+    "cpu_kernels_status",
+    "cpu_dtypes",
+    "cpu_rules",
+    "cpu_rule",
+    "quantize_nearest_cpu",
+]
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
@@ -113,6 +121,33 @@ def _build(compiler: str) -> Path:
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
 
 
+_failure: str | None = None  # why the step could not be built, once cpu_kernels() has tried
+
+
+def cpu_kernels_status() -> dict:
+    """What a bug report needs about the fused CPU step: the compiler, the cache directory, whether the step was
+    built (building it if it was not yet) and, where it could not be, why."""
+    lib = cpu_kernels()
+    return {
+        "compiler": _compiler(),
+        "compiler_version": _compiler_version(_compiler()),
+        "cache_dir": str(_cache_dir()),
+        "built": lib is not None,
+        "library": getattr(lib, "_name", None),
+        "error": _failure,
+    }
+
+
+def _compiler_version(compiler: str | None) -> str | None:
+    if compiler is None:
+        return None
+    try:
+        run = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return run.stdout.splitlines()[0].strip() if run.returncode == 0 and run.stdout else None
+
+
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
     """The loaded library, built on first call; None (after one warning) where it cannot be built."""
@@ -122,6 +157,8 @@ def cpu_kernels() -> ctypes.CDLL | None:
             raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        global _failure
+        _failure = f"{type(err).__name__}: {err}"
         warnings.warn(
             f"torchao_optim: the fused CPU step could not be built ({err}); CPU parameters take the "
             f"compiled path (torch.compile), which is correct but slower",

@@ -38,6 +38,7 @@ from torchao_optim.optim.checks import (
 )
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.compiled_path import RoundingRows
+from torchao_optim.optim.explain import explain
 from torchao_optim.optim.fused import FusedRule, fused_available
 from torchao_optim.optim.hyperparams import HyperparamTensors
 from torchao_optim.optim.offload import Offloader
@@ -252,6 +253,11 @@ class LowBitOptimizer(torch.optim.Optimizer):
         last step's copies back to host memory have finished."""
         self._wait_offloaded()
         return super().state_dict()
+
+    def explain(self) -> str:
+        """Which executor each parameter's next step takes (the fused kernels or the compiled path), with which
+        state, and why a parameter is not fused: counted per param group (optim/explain.py)."""
+        return explain(self)
 
     def _wait_offloaded(self) -> None:
         """Before the host state is read or replaced (optim/offload.py)."""

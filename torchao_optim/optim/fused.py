@@ -109,31 +109,63 @@ def _state_layout(state) -> object | None:
 
 def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False) -> tuple | None:
     """What a plan's parameters share, or None if no fused kernel can update ``p`` with ``rule`` (None: no kernel
-    implements the group's rule). CPU parameters go to the C kernels of :mod:`torchao_optim.kernels.cpu`, or
-    with ``interpreter`` (and ``TRITON_INTERPRET=1``) to the Triton kernels in Triton's interpreter, for testing
-    them. A DTensor parameter is planned through its local shard."""
+    implements the group's rule; :func:`unfused_reason` says why). CPU parameters go to the C kernels of
+    :mod:`torchao_optim.kernels.cpu`, or with ``interpreter`` (and ``TRITON_INTERPRET=1``) to the Triton kernels in
+    Triton's interpreter, for testing them. A DTensor parameter is planned through its local shard."""
     p, grad = local(p), local(p.grad)
-    if rule is None or not p.is_contiguous() or not grad.is_contiguous():
-        return None
-    if p.device.type == "cpu" and not (interpreter and triton_interpreter()):
-        from torchao_optim.kernels.cpu import cpu_dtypes
-
-        executor, dtypes = "cpu", cpu_dtypes()  # empty where the step could not be built
-    else:
-        if not fused_available(p.device):
-            return None
-        from torchao_optim.kernels.triton_adam import TRITON_DTYPES
-
-        executor, dtypes = "triton", TRITON_DTYPES
-    if p.dtype not in dtypes or grad.dtype not in dtypes:
-        return None
-    layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
-    if any(x is None for x in layouts):
+    why, executor, layouts = _refusal(p, grad, state, rule, interpreter)
+    if why is not None:
         return None
     blocks = {x.block_size for x in layouts if x != "fp32"}
-    if len(blocks) > 1:
-        return None
     return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
+
+
+def unfused_reason(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter: bool = False) -> str | None:
+    """Why no fused kernel can update ``p`` (with gradient ``grad`` and states ``state``, a dict) with ``rule``, or
+    None where one can: what :func:`plan_key` decides, in words (``optimizer.explain()``)."""
+    return _refusal(local(p), local(grad), state, rule, interpreter)[0]
+
+
+def fused_executor(p: Tensor, interpreter: bool = False) -> str:
+    """Which fused kernels would step ``p``: ``"cpu"`` (the C step), ``"triton"`` (CUDA, or Triton's interpreter)."""
+    return "cpu" if p.device.type == "cpu" and not (interpreter and triton_interpreter()) else "triton"
+
+
+def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter: bool) -> tuple:
+    """``(why not, executor, the states' layouts)``; ``why not`` is None where a fused kernel takes ``p``."""
+    if rule is None:
+        return "no fused kernel implements this group's update rule", None, None
+    if not p.is_contiguous():
+        return "the parameter is not contiguous", None, None
+    if not grad.is_contiguous():
+        return "its gradient is not contiguous", None, None
+    executor = fused_executor(p, interpreter)
+    if executor == "cpu":
+        from torchao_optim.kernels.cpu import cpu_dtypes
+
+        dtypes = cpu_dtypes()  # empty where the step could not be built
+        if not dtypes:
+            return "the fused CPU step could not be built here (python -m torchao_optim says why)", executor, None
+    else:
+        if not fused_available(p.device):
+            return f"no fused kernel runs on {p.device.type} here (Triton and a CUDA device)", executor, None
+        from torchao_optim.kernels.triton_adam import TRITON_DTYPES
+
+        dtypes = TRITON_DTYPES
+    if p.dtype not in dtypes or grad.dtype not in dtypes:
+        return (
+            f"{p.dtype} parameters with {grad.dtype} gradients (the kernels take {sorted(map(str, dtypes))})",
+            executor,
+            None,
+        )
+    layouts = tuple(_state_layout(state[k]) if k in state else None for k in rule.state_keys)
+    for k, x in zip(rule.state_keys, layouts):
+        if x is None:
+            kind = type(local(state[k])).__name__ if k in state else "missing"
+            return f"its state {k!r} ({kind}) has no layout the fused kernels read", executor, None
+    if len({x.block_size for x in layouts if x != "fp32"}) > 1:
+        return "its states have different block sizes", executor, None
+    return None, executor, layouts
 
 
 def _fields(state, layout) -> tuple[Tensor, Tensor | None]:

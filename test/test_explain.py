@@ -1,0 +1,92 @@
+"""``optimizer.explain()`` and ``python -m torchao_optim``: what a user reads to see whether they are on the fast
+path, and what a bug report needs. explain() must agree with where the step actually sends each parameter."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchao_optim
+from torchao_optim.kernels.cpu import cpu_kernels_available
+
+requires_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step cannot be built here")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+
+
+def _fused_params(opt):
+    """The parameters the last step put in a fused plan."""
+    return {id(p) for cache in opt._plans.values() for plan in cache.get("plans", ()) for p in plan.params}
+
+
+@requires_c
+def test_explain_matches_where_the_step_sends_each_parameter():
+    model = _model()
+    odd = torch.nn.Parameter(torch.randn(70, 130).t())  # not contiguous: the compiled path
+    params = list(model.parameters())
+    opt = torchao_optim.AdamW(params + [odd], min_quant_size=1024, compile=False)
+    before = opt.explain()
+    model(torch.randn(4, 128)).sum().backward()
+    odd.grad = torch.randn(70, 130).t()
+    opt.step()
+    assert opt.explain() == before  # the same decision before the first step (states on meta) and after
+    fused = _fused_params(opt)
+    group = opt.param_groups[0]
+    for p in params + [odd]:
+        executor, _, why = torchao_optim.optim.explain.route(opt, p, group)
+        assert (id(p) in fused) == executor.startswith("fused"), (tuple(p.shape), executor, why)
+    assert "not fused: the parameter is not contiguous (e.g. shape (130, 70))" in before
+    assert "dtq8 state, blocks of 256" in before
+    assert "float32 state (fewer than min_quant_size=1024 elements)" in before
+
+
+def test_explain_names_the_setting_that_turns_the_fused_path_off():
+    model = _model()
+    assert "fused=False" in torchao_optim.AdamW8bit(model.parameters(), fused=False).explain()
+    text = torchao_optim.AdamW8bit(model.parameters(), amsgrad=True, compile=False).explain()
+    assert "eager (compile=False)" in text and "(amsgrad=True)" in text
+    text = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", min_quant_size=0).explain()
+    assert "its state 'exp_avg_sq' (FourBitRank1Tensor) has no layout the fused kernels read" in text
+    text = torchao_optim.SGD8bit(model.parameters(), momentum=0.0).explain()
+    assert "no state to update" in text
+
+
+def test_explain_counts_every_parameter_of_every_group():
+    model = _model()
+    decay, rest = [model[0].weight, model[2].weight], [model[0].bias, model[1].weight, model[1].bias, model[2].bias]
+    opt = torchao_optim.AdamW8bit([{"params": decay}, {"params": rest, "weight_decay": 0.0}], min_quant_size=0)
+    text = opt.explain()
+    assert "2 param group(s)" in text
+    for index, group in enumerate(opt.param_groups):
+        block = text.split(f"param group {index} ")[1].split("param group")[0]
+        counted = sum(int(line.split(": ", 1)[1].split(" parameter")[0]) for line in block.splitlines()[1:] if line)
+        assert counted == len(group["params"])
+
+
+def _report(env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "torchao_optim"], capture_output=True, text=True, env=env, timeout=300, check=True
+    ).stdout
+
+
+def test_bug_report_names_versions_executors_and_caches():
+    out = _report()
+    assert f"torch {torch.__version__}" in out
+    assert f"torchao_optim {torchao_optim.__version__}" in out
+    assert "CPU (C step): " in out and "CUDA (Triton kernels): " in out
+    assert "cache directories: C step " in out
+    assert "state formats: " in out and "dtq8" in out
+
+
+def test_bug_report_says_why_the_cpu_step_is_missing(tmp_path):
+    # no compiler on PATH, and an empty cache: the C step cannot be built, and the report says so and why
+    env = dict(os.environ, PATH=str(tmp_path), TORCHAO_OPTIM_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("CC", None)
+    out = _report(env)
+    assert "CPU (C step): not here (RuntimeError: no C compiler found" in out
+    assert "C compiler: none found" in out
