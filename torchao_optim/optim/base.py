@@ -310,3 +310,4 @@ class LowBitOptimizer(torch.optim.Optimizer):
         adopt_state(self, p, group, state)
         params, cache = self._in_backward.setdefault(id(p), ([p], {}))
         dispatch.step_group(self, group, params, [state], lambda: cache)
+        self._opt_called = True  # what torch's lr schedulers read to know that the optimizer has stepped
