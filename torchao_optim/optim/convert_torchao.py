@@ -231,7 +231,6 @@ def from_ours(state_dict: dict[str, Any], fmt: str | None, block_size: int | Non
     block_size = DEFAULT_BLOCK_SIZE[fmt] if block_size is None else block_size
     if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size must be a positive even int, got {block_size!r}")
-    cls = _torchao_class(fmt)
     groups = []
     for i, group in enumerate(state_dict["param_groups"]):
         if group.get("maximize", False):
@@ -239,8 +238,10 @@ def from_ours(state_dict: dict[str, Any], fmt: str | None, block_size: int | Non
         hp = group_hyperparams(group, OURS, i)
         hp["lr"] = torch.tensor(hp["lr"], dtype=torch.float32)  # torchao's step refuses a float lr
         groups.append({**hp, "amsgrad": bool(group.get("amsgrad", False)), **group_ids(group)})
+    entries = list(our_entries(state_dict, SOURCE))  # everything checked before torchao is needed
+    cls = _torchao_class(fmt)
     state = {}
-    for pid, step, moments in our_entries(state_dict, SOURCE):
+    for pid, step, moments in entries:
         entry: dict[str, Any] = {"step": torch.tensor(step, dtype=torch.float32)}
         for key, value in moments.items():
             entry[key] = _torchao_moment(cls, fmt, block_size, value, SIGNED[key], where(OURS, pid, key))
