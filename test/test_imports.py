@@ -15,7 +15,7 @@ PACKAGE = "torchao_optim"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # lowest first: codebooks and encoder tables, formats, update rules as data, kernels (leaves: they know layouts and
 # rules as data, never optimizers), optimizers (planning, executors), the shared test cases, then the public API
-LAYERS = ("quant", "state", "rules", "kernels", "optim", "testing", "")  # "": torchao_optim/__init__.py
+LAYERS = ("quant", "state", "rules", "kernels", "optim", "testing", "", "__main__")  # "": torchao_optim/__init__.py
 
 
 def _module_name(path: Path) -> str:

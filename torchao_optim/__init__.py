@@ -13,7 +13,9 @@ from torchao_optim.optim import (
     Lion8bit,
     Muon8bit,
     SGD8bit,
+    convert_state_dict,
     dequantize_state_dict,
+    load_torchao_checkpoint,
 )
 from torchao_optim.optim.backward import step_in_backward
 from torchao_optim.optim.overrides import overrides
@@ -45,7 +47,9 @@ __all__ = [
     "Muon8bit",
     "SGD8bit",
     "AdamWFp8",
+    "convert_state_dict",
     "dequantize_state_dict",
+    "load_torchao_checkpoint",
     "quantize_optimizer_state",
     "overrides",
     "step_in_backward",

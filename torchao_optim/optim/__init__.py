@@ -13,6 +13,8 @@ from torchao_optim.optim.adam import (
     AdamWFp8,
     dequantize_state_dict,
 )
+from torchao_optim.optim.convert import convert_state_dict
+from torchao_optim.optim.convert_torchao import load_torchao_checkpoint
 from torchao_optim.optim.lion import Lion8bit
 from torchao_optim.optim.muon import Muon8bit
 from torchao_optim.optim.sgd import SGD8bit
@@ -32,5 +34,7 @@ __all__ = [
     "Lion8bit",
     "Muon8bit",
     "adam_update",
+    "convert_state_dict",
+    "load_torchao_checkpoint",
     "dequantize_state_dict",
 ]
