@@ -117,7 +117,7 @@ def test_the_checks_see_function_level_and_relative_imports():
     ]
     assert upward_imports(edges) == [
         "torchao_optim.kernels.x (line 4) imports torchao_optim.optim.fused: kernels may not import optim (the "
-        "order is quant -> state -> rules -> kernels -> optim -> testing -> torchao_optim)"
+        "order is quant -> state -> rules -> kernels -> optim -> testing -> torchao_optim -> __main__)"
     ]
     assert subpackage_cycles(edges) == [
         "kernels -> optim -> kernels: torchao_optim.kernels.x (line 4) imports torchao_optim.optim.fused; "
