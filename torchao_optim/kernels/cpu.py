@@ -57,7 +57,7 @@ NATIVE = ["-march=native"]
 # decode and the encoder are table loads, and measured 1.7x faster with gathers (GCC only: tried first).
 GATHER = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
 CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-KINDS = {"fp32": 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c: plain fp32, or codes of 4 or 8 bits
+KINDS = {32: 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c by its layout's bits: plain fp32, or codes of 4 or 8 bits
 
 
 def _compiler() -> str | None:

@@ -29,8 +29,8 @@ FLAT_MAX_BITS = 7
 
 def layout_tables(layout, device, executor: str) -> tuple[Tensor, ...]:
     """(decode values, level1, level2) of a layout's codebook on ``device``, in the form ``executor``'s kernels
-    read; placeholders for fp32."""
-    if layout == "fp32":
+    read; placeholders for plain fp32 state."""
+    if not layout.quantized:
         return (placeholder(device),) * 3
     return (decode_table(layout, device, executor),) + encoder_tables(
         layout.codebook, layout.never_zero, device, executor, flat_shift(layout, executor)
@@ -52,7 +52,7 @@ def decode_table(layout, device, executor: str) -> Tensor:
 def flat_shift(layout, executor: str) -> int:
     """The Triton kernels' ``FLAT`` constexpr for a layout, the form of its encoder (:func:`codebook_flat_shift`); 0
     for plain fp32 state and the other executors."""
-    if layout == "fp32" or executor != "triton":
+    if not layout.quantized or executor != "triton":
         return 0
     return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
 

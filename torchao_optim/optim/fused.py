@@ -32,6 +32,7 @@ from torchao_optim.optim import launch
 from torchao_optim.optim.sharded import local
 from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.rules import FusedRule
+from torchao_optim.state.layout import PLAIN_FP32
 
 __all__ = ["fused_available", "GroupPlan", "plan_group", "check_state_shapes"]
 
@@ -95,10 +96,11 @@ def _alias0d(base: Tensor, i: int) -> Tensor:
 
 
 def _state_layout(state) -> object | None:
-    """ "fp32" for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or None."""
+    """:data:`PLAIN_FP32` for a plain contiguous fp32 state, the format's layout if it has one the kernels take, or
+    None."""
     state = local(state)
     if type(state) is Tensor:
-        return "fp32" if state.dtype == torch.float32 and state.is_contiguous() else None
+        return PLAIN_FP32 if state.dtype == torch.float32 and state.is_contiguous() else None
     get_layout = getattr(state, "fast_path_layout", None)
     layout = get_layout() if get_layout is not None else None
     if layout is None:
@@ -116,7 +118,7 @@ def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False
     why, executor, layouts = _refusal(p, grad, state, rule, interpreter)
     if why is not None:
         return None
-    blocks = {x.block_size for x in layouts if x != "fp32"}
+    blocks = {x.block_size for x in layouts if x.quantized}
     return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
 
 
@@ -163,7 +165,7 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
         if x is None:
             kind = type(local(state[k])).__name__ if k in state else "missing"
             return f"its state {k!r} ({kind}) has no layout the fused kernels read", executor, None
-    if len({x.block_size for x in layouts if x != "fp32"}) > 1:
+    if len({x.block_size for x in layouts if x.quantized}) > 1:
         return "its states have different block sizes", executor, None
     return None, executor, layouts
 
@@ -171,7 +173,7 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
 def _fields(state, layout) -> tuple[Tensor, Tensor | None]:
     """(codes or values, scales) of one state (its local shard's, for a DTensor): the tensors a kernel writes."""
     state = local(state)
-    if layout == "fp32":
+    if not layout.quantized:
         return state, None
     return getattr(state, layout.codes), getattr(state, layout.scales)
 
@@ -398,7 +400,7 @@ def register_cap(layouts, param_bytes: int) -> int | None:
     :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
         return MAXNREG or None
-    bits = [getattr(layout, "bits", 8) for layout in layouts if layout != "fp32"]
+    bits = [layout.bits for layout in layouts if layout.quantized]
     return REGISTER_CAPS.get((min(bits), param_bytes)) if bits else None
 
 

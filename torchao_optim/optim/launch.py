@@ -24,6 +24,7 @@ from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
 from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, cpu_kernels, cpu_rule
+from torchao_optim.state.layout import PLAIN_FP32
 
 __all__ = ["run"]
 
@@ -114,9 +115,9 @@ def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, sto
         UPDATE=update,
         OPTION=option,
         MAXIMIZE=maximize,
-        M_QUANT=m_layout != "fp32",
+        M_QUANT=m_layout.quantized,
         M_BITS=getattr(m_layout, "bits", 8),
-        V_QUANT=v_layout != "fp32",
+        V_QUANT=v_layout.quantized,
         V_BITS=getattr(v_layout, "bits", 8),
         M_SIGNED=getattr(m_layout, "signed", True),
         V_SIGNED=getattr(v_layout, "signed", True),
@@ -158,7 +159,7 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
         OPTION=option,
         MAXIMIZE=maximize,
         SR=plan.rounds(stochastic_round),
-        S_QUANT=layout != "fp32",
+        S_QUANT=layout.quantized,
         S_BITS=getattr(layout, "bits", 8),
         PTX=not triton_interpreter(),
         S_SIGNED=getattr(layout, "signed", True),
@@ -194,9 +195,9 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
         if k < len(plan.layouts):
             layout = plan.layouts[k]
             args += [t.data_ptr() for t in plan.tables[3 * k : 3 * k + 3]]
-            args.append(KINDS[layout if layout == "fp32" else layout.bits])
+            args.append(KINDS[layout.bits])
         else:
-            args += [None, None, None, KINDS["fp32"]]
+            args += [None, None, None, KINDS[PLAIN_FP32.bits]]
     status = cpu_kernels().torchao_optim_cpu_step(
         len(plan.params),
         plan.ptrs.data_ptr(),

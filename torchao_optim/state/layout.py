@@ -8,8 +8,9 @@ format's class, so a format written after the kernels takes the fused path with 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
-__all__ = ["StateLayout"]
+__all__ = ["PLAIN_FP32", "PlainLayout", "StateLayout"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class StateLayout:
     codebook: tuple[float, ...]
     bits: int = 8
     never_zero: bool = False
+    quantized: ClassVar[bool] = True
 
     def __post_init__(self):
         if self.bits not in (4, 8):
@@ -52,3 +54,20 @@ class StateLayout:
     def code_bytes(self, numel: int) -> int:
         """Bytes of codes for ``numel`` elements."""
         return numel if self.bits == 8 else (numel + 1) // 2
+
+
+@dataclass(frozen=True)
+class PlainLayout:
+    """A state kept as a plain contiguous fp32 tensor, as the fused kernels read it: one value per element, no codes
+    and no scales. The one instance, :data:`PLAIN_FP32`, stands beside the :class:`StateLayout` of quantized
+    states wherever the planner and the kernels take a state's layout."""
+
+    quantized: ClassVar[bool] = False
+    bits: ClassVar[int] = 32
+    block_size: ClassVar[None] = None
+
+    def __repr__(self) -> str:
+        return "PLAIN_FP32"
+
+
+PLAIN_FP32 = PlainLayout()
