@@ -14,13 +14,23 @@ pipeline in the loop), fp32 parameters and ``--amp`` autocast, and measures in o
 
 Each optimizer starts from the same weights (copied back before it is built, so every one times the same work),
 takes ``--warmup`` untimed steps (its compiles, CUDA-graph capture and the first step's state creation fall
-there), then ``--steps`` timed ones: ``step ms`` is CUDA events around the whole timed loop over the number of
-steps (the rate the loop sustains, host stalls included) and ``optimizer ms`` the median of CUDA events around
-each ``opt.step()`` (its own time in the loop). The optimizers and ``fwd+bwd`` take turns, in an order rotated
-each round, for ``--repeats`` rounds; in each round an optimizer's **added ms** is its step ms minus that
-round's ``fwd+bwd`` step ms. The table gives the median over the rounds and the spread (min–max); where two
-rows' spreads overlap it says "within noise" rather than ranking them (``noise.py``). On a CPU the timer is
-``time.perf_counter``. JSON goes to ``--out``/e2e_<device>.json, the Markdown tables beside it.
+there), then ``--steps`` timed ones. A CUDA event recorded between consecutive steps gives each step's time
+as the GPU runs the loop (the host queues ahead of it; where the host falls behind, its stalls count too):
+``step ms`` is their median, which a one-off stall (a garbage collection, a clock change) does not move, and
+``optimizer ms`` the median of CUDA events around each ``opt.step()`` (its own time in the loop).
+
+The loop must be bound by the GPU for the difference to be the optimizer's: where the host takes longer to issue
+a step than the GPU takes to run it, the step time follows the host's speed (which drifts by several ms between
+blocks on a shared machine) and hides the optimizer's device time. On one H200 the host took 26-37 ms to issue
+ViT-B's forward and backward, as long as the GPU's 26 ms at batch 64, and blocks of the same optimizer differed
+by up to 6 ms a step; so ``vit_b`` runs at batch 256 by default (about 90 ms on the GPU), where they agree within
+a few tenths of a ms. An optimizer's work does not depend on the batch.
+
+The optimizers and ``fwd+bwd`` take turns, in an order rotated each round, for ``--repeats`` rounds; in each
+round an optimizer's **added ms** is its step ms minus that round's ``fwd+bwd`` step ms. The table gives the
+median over the rounds and the spread (min–max); where two rows' spreads overlap it says "within noise" rather
+than ranking them (``noise.py``). On a CPU the timer is ``time.perf_counter``. JSON goes to
+``--out``/e2e_<device>.json, the Markdown tables beside it.
 
 Optimizer names are those of ``benchmarks/optimizers.py``; the default list is torch's fused and foreach
 AdamW, ours with fp32 state (``AdamW-none``), ``AdamW8bit``, ``AdamW4bit``, ``AdamWFp8``, and bitsandbytes'
@@ -53,6 +63,11 @@ BASELINE = "fwd+bwd"
 DEFAULT_OPTIMS = ("AdamWTorchFused", "AdamWTorchForeach", "AdamW-none", "AdamW8bit", "AdamW4bit", "AdamWFp8")
 PEERS = ("AdamWBnb8bit", "AdamWTorchao8bit", "AdamWTorchao4bit")
 REFERENCE = "AdamWTorchFused"
+# Timed steps per block: about 3 s of steps on an H200 (ViT-B at batch 256 and the 1.1B LLaMA each about 90 ms a
+# step), which keeps the default run (both workloads, 6 optimizers, 3 rounds) near 5 minutes.
+STEPS = {"vit_b": 30, "llama_1b": 30}
+QUICK_STEPS = {"vit_b": 8, "llama_1b": 8}
+WARMUP, QUICK_WARMUP = 8, 5  # our optimizers capture their CUDA graph on the third step
 
 
 class E2EError(Exception):
@@ -72,7 +87,7 @@ class Workload:
     lr: float = 1e-4
 
 
-def vit_b(device, batch_size: int = 64, num_classes: int = 45, **model_kwargs) -> Workload:
+def vit_b(device, batch_size: int = 256, num_classes: int = 45, **model_kwargs) -> Workload:
     """timm's ViT-B/16 (86M params), random init, on ``batch_size`` random 224x224 images."""
     try:
         import timm
@@ -138,7 +153,8 @@ WORKLOADS: dict[str, Callable[..., Workload]] = {"vit_b": vit_b, "llama_1b": lla
 # ---- one timed block: one optimizer (or none) from the starting weights ----------------------------------------
 @dataclass
 class Block:
-    step_ms: float  # the timed loop's time over its number of steps
+    step_ms: float  # the median of the timed steps' times
+    mean_step_ms: float  # the timed loop's time over its number of steps
     optimizer_ms: float | None  # the median of opt.step()'s own times; None without an optimizer
     first_step_s: float  # wall time of the first step, compiles included
     peak_gb: float | None  # CUDA max allocated during the block, the saved starting weights left out
@@ -226,12 +242,13 @@ def run_block(
     for _ in range(max(0, warmup - 1)):
         train_step(work, opt, amp, device)
     _synchronize(device)
-    start = timer.mark()
+    marks = [timer.mark()]
     for _ in range(steps):
         train_step(work, opt, amp, device, timer, opt_times)
-    end = timer.mark()
+        marks.append(timer.mark())
     _synchronize(device)
-    step_ms = timer.ms(start, end) / steps
+    step_ms = statistics.median(timer.ms(a, b) for a, b in zip(marks, marks[1:]))
+    mean_step_ms = timer.ms(marks[0], marks[-1]) / steps
     optimizer_ms = statistics.median(timer.ms(a, b) for a, b in opt_times) if opt_times else None
     peak_gb = None
     if device.type == "cuda":
@@ -243,7 +260,7 @@ def run_block(
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return Block(step_ms, optimizer_ms, first_step_s, peak_gb, state_bytes)
+    return Block(step_ms, mean_step_ms, optimizer_ms, first_step_s, peak_gb, state_bytes)
 
 
 # ---- the rounds, and what they add up to ----------------------------------------------------------------------
@@ -251,6 +268,7 @@ def run_block(
 class Row:
     name: str
     step_ms: list[float] = field(default_factory=list)
+    mean_step_ms: list[float] = field(default_factory=list)
     added_ms: list[float] = field(default_factory=list)
     optimizer_ms: list[float] = field(default_factory=list)
     first_step_s: float | None = None
@@ -285,6 +303,7 @@ def measure(
             blocks[name] = block
             row = rows[name]
             row.step_ms.append(block.step_ms)
+            row.mean_step_ms.append(block.mean_step_ms)
             if block.optimizer_ms is not None:
                 row.optimizer_ms.append(block.optimizer_ms)
             if row.first_step_s is None:
@@ -302,7 +321,12 @@ def measure(
 
 
 def row_dict(row: Row, n_params: int) -> dict[str, Any]:
-    out: dict[str, Any] = dict(name=row.name, step_ms=Spread.of(row.step_ms).as_dict(), step_ms_runs=row.step_ms)
+    out: dict[str, Any] = dict(
+        name=row.name,
+        step_ms=Spread.of(row.step_ms).as_dict(),
+        step_ms_runs=row.step_ms,
+        mean_step_ms_runs=row.mean_step_ms,
+    )
     if row.name != BASELINE:
         out.update(
             added_ms=Spread.of(row.added_ms).as_dict(),
@@ -353,7 +377,8 @@ def markdown(result: dict[str, Any], reference: str = REFERENCE) -> str:
     lines.append("")
     lines.append(
         "Added ms/step: a round's step ms minus the same round's fwd+bwd step ms; median over the rounds "
-        "(min–max in brackets). Rows whose ranges overlap are within noise: their order is not a finding."
+        "(min–max in brackets). Rows whose ranges overlap are within noise: their order is not a finding. "
+        "Optimizer ms: CUDA events around opt.step() in the loop, median over the timed steps."
     )
     if order:
         lines.append(f"Least added time first (≈: within noise): {order}.")
@@ -403,12 +428,31 @@ def get_parser() -> argparse.ArgumentParser:
         + " (peers only where they import)",
     )
     p.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every optimizer and fwd+bwd")
-    p.add_argument("--steps", type=_positive_int, default=None, help="timed steps per block (default 40; 10 quick)")
-    p.add_argument("--warmup", type=_positive_int, default=None, help="untimed steps per block (default 8; 5 quick)")
-    p.add_argument("--quick", action="store_true", help="fewer steps: 10 timed after 5 untimed per block")
+    p.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=None,
+        help="timed steps per block (default "
+        + ", ".join(f"{w} {n}" for w, n in STEPS.items())
+        + "; with --quick "
+        + ", ".join(f"{w} {n}" for w, n in QUICK_STEPS.items())
+        + ")",
+    )
+    p.add_argument(
+        "--warmup",
+        type=_positive_int,
+        default=None,
+        help=f"untimed steps per block (default {WARMUP}; {QUICK_WARMUP} quick)",
+    )
+    p.add_argument("--quick", action="store_true", help="fewer steps per block, for a first look")
     p.add_argument("--amp", choices=["bf16", "none"], default="bf16", help="autocast dtype (fp32 parameters)")
     p.add_argument("--device", default=None, help="torch device; default cuda if available, else cpu")
-    p.add_argument("--vit_batch", type=_positive_int, default=64, help="images per vit_b step")
+    p.add_argument(
+        "--vit_batch",
+        type=_positive_int,
+        default=256,
+        help="images per vit_b step (at 64 the host, not the GPU, can set the step time)",
+    )
     p.add_argument("--vit_kwargs", type=_json_object, default={}, help="extra timm.create_model kwargs (JSON)")
     p.add_argument("--llama_batch", type=_positive_int, default=4, help="sequences per llama_1b step")
     p.add_argument("--llama_seq", type=_positive_int, default=1024, help="tokens per llama_1b sequence")
@@ -453,8 +497,8 @@ def build_workload(name: str, args, device: torch.device) -> Workload:
 
 
 def run_workload(work: Workload, names, args, device, log=print) -> dict[str, Any]:
-    steps = args.steps or (10 if args.quick else 40)
-    warmup = args.warmup or (5 if args.quick else 8)
+    steps = args.steps or (QUICK_STEPS if args.quick else STEPS).get(work.name, 20)
+    warmup = args.warmup or (QUICK_WARMUP if args.quick else WARMUP)
     n_params = sum(p.numel() for p in work.model.parameters() if p.requires_grad)
     log(f"\n## {work.name}: {work.description} ({n_params / 1e6:.1f}M params)")
     torch.manual_seed(0)

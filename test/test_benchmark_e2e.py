@@ -179,7 +179,8 @@ def test_a_tiny_vit(tmp_path, capsys):
     argv += ["--optims", "AdamWTorchFused", "--repeats", "1", "--quick", "--out", str(tmp_path)]
     assert bench.main(argv) == 0, capsys.readouterr().err
     (result,) = json.loads((tmp_path / "e2e_cpu.json").read_text())["results"]
-    assert result["workload"] == "vit_b" and result["steps"] == 10 and result["warmup"] == 5
+    assert result["workload"] == "vit_b" and result["steps"] == bench.QUICK_STEPS["vit_b"]
+    assert result["warmup"] == bench.QUICK_WARMUP
     assert [r["name"] for r in result["rows"]] == ["fwd+bwd", "AdamWTorchFused"]
 
 
