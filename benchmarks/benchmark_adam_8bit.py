@@ -828,6 +828,7 @@ def train_and_evaluate(
         "run_name": run_name,
         "optim": optim_name,
         "model": args.model,
+        "pretrained": not args.no_pretrained,
         "amp": args.amp,
         "dataset": args.dataset,
         "device": str(device),
