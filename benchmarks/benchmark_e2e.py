@@ -287,7 +287,7 @@ def measure(
     log: Callable[[str], None] = print,
 ) -> list[Row]:
     """:data:`BASELINE` and each optimizer of ``names`` in turn, ``repeats`` rounds, the order rotated by one
-    each round (so no optimizer always follows the same one); rows in the order of ``names``, baseline first."""
+    each round (so that none always runs first); rows in the order of ``names``, baseline first."""
     params = [p for p in work.model.parameters() if p.requires_grad]
     start_weights = [p.detach().clone() for p in params]
     conditions = [BASELINE, *names]
