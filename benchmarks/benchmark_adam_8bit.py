@@ -1,12 +1,24 @@
 #!/usr/bin/env python
-"""Fine-tuning benchmark: a pre-trained ViT on resisc45, comparing optimizers on memory, time and accuracy.
+"""Fine-tuning benchmark: a ViT fine-tuned with each optimizer, compared on memory, speed and accuracy.
 
-    python benchmarks/benchmark_adam_8bit.py --model "timm/vit_base_patch16_224.augreg_in21k" --amp bf16 --optim Adam
+    # speed: synthetic images made on the device, three alternating repeats of each optimizer
+    python benchmarks/benchmark_adam_8bit.py --no_pretrained --optim Adam,AdamWTorchFused,AdamW8bit --repeats 3
+    # accuracy: the pre-trained ViT-B on resisc45 (downloads the weights and the dataset)
+    python benchmarks/benchmark_adam_8bit.py --model "timm/vit_base_patch16_224.augreg_in21k" --dataset resisc45 \
+        --amp bf16 --optim Adam
 
-Each run trains, evaluates, prints a summary and appends one JSON line to ``--results`` (default
-``results/finetune.jsonl``); ``benchmarks/render_finetune_table.py`` turns that file into a Markdown table
-and a PNG chart. ``--help`` lists every flag; ``benchmarks/README.md`` gives the commands that reproduce
-the reference table.
+``--optim`` takes one name or a comma list; each optimizer trains the same model from the same starting weights,
+on the same batches, in turn, for ``--repeats`` rounds (the order rotated each round, so that none always runs
+first). The default data, ``--dataset synthetic``, is made on the device a batch at a time, so the timed loop
+measures the model and the optimizer, not a DataLoader; ``resisc45`` (or an image folder) goes through a
+DataLoader with augmentation, as a real fine-tune does. The first ``--warmup_steps`` steps of each run are not
+timed (compiles fall there); throughput counts the steps after them, and the optimizer's own time per step is
+CUDA events around ``optimizer.step()`` (the wall clock on a CPU), median over those steps.
+
+Each optimizer's runs are summarized and appended as one JSON line to ``--results`` (default
+``results/finetune.jsonl``): the median over the repeats, and each repeat's figures in ``*_runs`` lists.
+``benchmarks/render_finetune_table.py`` turns that file into a Markdown table, where a throughput difference
+inside the run-to-run spread reads "within noise", and a PNG chart. ``--help`` lists every flag.
 
 Only torch and torchao_optim are imported at module level: timm, datasets, torchvision, bitsandbytes,
 wandb and tqdm are imported when a run needs them, and a missing or broken one is reported as a one-line
@@ -18,10 +30,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import gc
 import importlib
 import inspect
 import json
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -34,13 +48,14 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # optimizers.py, render_finetune_table.py sit here
 import optimizers  # noqa: E402  (the optimizer table every benchmark shares; it imports torchao_optim)
-from render_finetune_table import format_duration  # noqa: E402
+from render_finetune_table import format_duration, markdown_table  # noqa: E402
 
 RESISC45_ID = "timm/resisc45"
 RESISC45_CLASSES = 45
 DEFAULT_MODEL = "timm/vit_base_patch16_224.augreg_in21k"
 DEFAULT_RESULTS = "results/finetune.jsonl"
 PROFILE_ITERATIONS = 50
+DEFAULT_WARMUP_STEPS = 5
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm")
 
 
@@ -119,21 +134,48 @@ def cosine_lr(step: int, total_steps: int, base_lr: float, warmup_steps: int, fi
 
 
 # ---- data -------------------------------------------------------------------------------------------
-class SyntheticImages(torch.utils.data.Dataset):
-    """``n`` random images (uniform pixels, normalized to [-1, 1]) with random labels; item ``i`` depends
-    only on ``(seed, i)``, so the set is the same in every run and in every DataLoader worker."""
+class SyntheticImages:
+    """``n`` random images (uniform pixels in [-1, 1]) with random labels, made on the training device a batch
+    at a time by :meth:`batches`: nothing crosses from the host, so a timed loop over them measures the model and
+    the optimizer, not an input pipeline. Batch ``b`` depends only on ``(seed, b)`` and the batch size, so every
+    epoch, every run and every optimizer sees the same batches (shuffled by batch, per epoch)."""
 
     def __init__(self, n: int, n_classes: int, img_size: int, seed: int):
         self.n, self.n_classes, self.img_size, self.seed = n, n_classes, img_size, seed
-        self.labels = torch.randint(n_classes, (n,), generator=torch.Generator().manual_seed(seed))
 
     def __len__(self) -> int:
         return self.n
 
-    def __getitem__(self, i: int):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        image = torch.rand(3, self.img_size, self.img_size, generator=g) * 2 - 1
-        return image, int(self.labels[i])
+    def batches(self, batch_size: int, device: torch.device, shuffle: bool, drop_last: bool) -> SyntheticBatches:
+        return SyntheticBatches(self, batch_size, torch.device(device), shuffle, drop_last)
+
+
+class SyntheticBatches:
+    """The batches of a :class:`SyntheticImages`, iterated like a DataLoader: ``(images, labels)`` on the device."""
+
+    def __init__(self, images: SyntheticImages, batch_size: int, device: torch.device, shuffle: bool, drop_last: bool):
+        self.images, self.batch_size, self.device, self.shuffle = images, batch_size, device, shuffle
+        full, rest = divmod(images.n, batch_size)
+        self.sizes = [batch_size] * full + ([rest] if rest and not drop_last else [])
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self):
+        seed = self.images.seed
+        order = range(len(self.sizes))
+        if self.shuffle:
+            order = torch.randperm(len(self.sizes), generator=torch.Generator().manual_seed(seed + self.epoch)).tolist()
+        self.epoch += 1
+        gen = torch.Generator(device=self.device)
+        size = self.images.img_size
+        for b in order:
+            gen.manual_seed(seed * 1_000_003 + b)
+            n = self.sizes[b]
+            images = torch.rand(n, 3, size, size, generator=gen, device=self.device) * 2 - 1
+            labels = torch.randint(self.images.n_classes, (n,), generator=gen, device=self.device)
+            yield images, labels
 
 
 class HFImages(torch.utils.data.Dataset):
@@ -400,6 +442,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value
+
+
 def _non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -423,8 +475,9 @@ def _json_object(text: str) -> dict[str, Any]:
 def get_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="benchmark_adam_8bit.py",
-        description="Fine-tune a timm model on resisc45 and compare optimizers on max memory, training time "
-        "and validation accuracy. Results are appended to --results as JSON lines.",
+        description="Fine-tune a timm model (synthetic data by default, resisc45 for accuracy) and compare "
+        "optimizers on max memory, throughput, the optimizer's own time per step and validation accuracy. "
+        "Results are appended to --results as JSON lines, one per optimizer.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
@@ -447,8 +500,23 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--optim",
         default="AdamWDTQ8bit",
-        metavar="NAME",
-        help="one of: " + "; ".join(f"{e.name} = {e.description}" for e in optimizers.optimizer_table().values()),
+        metavar="NAME[,NAME...]",
+        help="an optimizer, or a comma list of them run in turn from the same starting weights, one of: "
+        + "; ".join(f"{e.name} = {e.description}" for e in optimizers.optimizer_table().values()),
+    )
+    p.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=1,
+        help="rounds of every --optim (the order rotated each round); the results give the median over them and "
+        "the table their spread, and says 'within noise' where the spreads overlap",
+    )
+    p.add_argument(
+        "--warmup_steps",
+        type=_non_negative_int,
+        default=None,
+        help=f"untimed steps at the start of each run, where compiles fall (default {DEFAULT_WARMUP_STEPS}, fewer "
+        "in a run that short); throughput and the optimizer's time count the steps after them",
     )
     p.add_argument(
         "--no_optim_compile",
@@ -477,13 +545,14 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=_positive_int, default=64, help="images per optimizer step")
     p.add_argument("--max_steps", type=_positive_int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--seed", type=int, default=2024, help="seeds the new head, the data order and synthetic data")
-    p.add_argument("--n_workers", type=int, default=4, help="DataLoader worker processes")
+    p.add_argument("--n_workers", type=int, default=4, help="DataLoader worker processes (not for synthetic data)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument(
         "--dataset",
-        default="resisc45",
-        help=f"'resisc45' (Hugging Face {RESISC45_ID}), 'synthetic' (random images and labels, "
-        f"offline), or an image folder: <path>/<class>/<image> or <path>/{{train,val}}/<class>/<image>",
+        default="synthetic",
+        help=f"'synthetic' (random images and labels made on the device: no input pipeline in the timed loop), "
+        f"'resisc45' (Hugging Face {RESISC45_ID}, through a DataLoader with augmentation: for accuracy), or an "
+        f"image folder: <path>/<class>/<image> or <path>/{{train,val}}/<class>/<image>",
     )
     p.add_argument("--synthetic_train_size", type=_positive_int, default=1024, help="images in the synthetic train set")
     p.add_argument(
@@ -503,14 +572,20 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--results", default=DEFAULT_RESULTS, help="JSON-lines file each run appends its summary to")
     p.add_argument("--log_interval", type=_positive_int, default=10, help="steps between loss records")
     p.add_argument("--project", default=None, help="log to this wandb project (needs wandb)")
-    p.add_argument("--run_name", default=None, help="wandb run name and table label; default: the --optim name")
+    p.add_argument(
+        "--run_name", default=None, help="wandb run name and table label, for one --optim; default: the --optim name"
+    )
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and validate everything that needs no model: unknown names and missing packages fail here."""
     args = get_parser().parse_args(argv)
-    check_optimizer(args.optim)
+    names = optim_list(args.optim)
+    for name in names:
+        check_optimizer(name)
+    if args.run_name is not None and len(names) > 1:
+        raise BenchmarkError(f"--run_name labels one optimizer's run; --optim {args.optim!r} names {len(names)}")
     check_dataset(args.dataset)
     if args.n_workers < 0:
         raise BenchmarkError(f"--n_workers must be >= 0, got {args.n_workers}")
@@ -539,6 +614,15 @@ def evaluate(model: nn.Module, loader, device: torch.device, amp: str) -> float:
 
 
 def make_loaders(args, train_set, val_set, device: torch.device):
+    """(train batches, validation batches): made on ``device`` for synthetic data, else DataLoaders. Called once
+    per run, so that every run sees the batches in the same order."""
+    if isinstance(train_set, SyntheticImages):
+        train = train_set.batches(args.batch_size, device, shuffle=True, drop_last=True)
+        if len(train) == 0:
+            raise BenchmarkError(
+                f"--batch_size {args.batch_size} is larger than the training set ({len(train_set)} images)"
+            )
+        return train, val_set.batches(args.batch_size, device, shuffle=False, drop_last=False)
     common = dict(num_workers=args.n_workers, pin_memory=device.type == "cuda", persistent_workers=False)
     train = torch.utils.data.DataLoader(
         train_set,
@@ -556,15 +640,66 @@ def make_loaders(args, train_set, val_set, device: torch.device):
     return train, val
 
 
+def warmup_steps(args, total_steps: int) -> int:
+    """Untimed steps at the start of each run: ``--warmup_steps``, or by default 5 (fewer in a run of 5 steps
+    or less, which keeps one timed step)."""
+    if args.warmup_steps is None:
+        return max(0, min(DEFAULT_WARMUP_STEPS, total_steps - 1))
+    if args.warmup_steps >= total_steps:
+        raise BenchmarkError(
+            f"--warmup_steps {args.warmup_steps} leaves no timed step in a run of {total_steps} steps "
+            f"(--n_epochs, --max_steps)"
+        )
+    return args.warmup_steps
+
+
+class StepTimer:
+    """Times of ``optimizer.step()`` in the loop: CUDA events around each call on a GPU (read after the epoch's
+    synchronize, so timing adds no sync), ``time.perf_counter`` elsewhere."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[Any, Any]] = []
+        self.ms: list[float] = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, start, end) -> None:
+        self.pending.append((start, end))
+
+    def collect(self) -> None:
+        """Read the pending times (call after a synchronize)."""
+        for start, end in self.pending:
+            self.ms.append(start.elapsed_time(end) if self.cuda else 1e3 * (end - start))
+        self.pending.clear()
+
+
 def train_and_evaluate(
-    args, model: nn.Module, train_loader, val_loader, device: torch.device, wandb_run=None
+    args,
+    model: nn.Module,
+    train_loader,
+    val_loader,
+    device: torch.device,
+    wandb_run=None,
+    optim_name: str | None = None,
+    run_name: str | None = None,
+    profile: bool | None = None,
 ) -> dict[str, Any]:
-    """Fine-tune ``model`` (already on ``device``) and evaluate after each epoch; the run's summary."""
+    """Fine-tune ``model`` (already on ``device``) with ``optim_name`` (default ``--optim``) and evaluate after
+    each epoch; the run's summary. The first :func:`warmup_steps` steps train but are not timed (compiles fall
+    there); throughput counts the timed steps, and the optimizer's own time per step is the median over them."""
     from tqdm import tqdm
 
-    run_name = args.run_name or args.optim
+    optim_name = optim_name or args.optim
+    run_name = run_name or args.run_name or optim_name
+    profile = args.profile if profile is None else profile
     optim = make_optimizer(
-        args.optim, model.parameters(), args.lr, args.weight_decay, compile=not args.no_optim_compile
+        optim_name, model.parameters(), args.lr, args.weight_decay, compile=not args.no_optim_compile
     )
     if args.compile:
         model = torch.compile(model)
@@ -573,10 +708,11 @@ def train_and_evaluate(
     total_steps = args.n_epochs * len(train_loader)
     if args.max_steps is not None:
         total_steps = min(total_steps, args.max_steps)
-    warmup_steps = int(args.warmup_fraction * total_steps)
+    warmup = warmup_steps(args, total_steps)
+    lr_warmup_steps = int(args.warmup_fraction * total_steps)
 
     profiler, profile_path = None, None
-    if args.profile:
+    if profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -598,8 +734,12 @@ def train_and_evaluate(
         profiler = None
         print(f"Chrome trace of the first {n_iterations} iterations written to {profile_path}", file=sys.stderr)
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     model.train()
     step, n_images, train_time = 0, 0, 0.0
+    timed_images, timed_time = 0, 0.0
+    step_timer = StepTimer(device)
     loss_curve: list[tuple[int, float]] = []
     val_acc_per_epoch: list[float] = []
     interval_loss, interval_steps = torch.zeros((), device=device), 0
@@ -608,9 +748,10 @@ def train_and_evaluate(
     for epoch in range(args.n_epochs):
         synchronize(device)
         epoch_start = time.perf_counter()
+        timed_start = epoch_start if step >= warmup else None
         for images, labels in train_loader:
             if args.cosine_lr_scheduler:
-                lr = cosine_lr(step, total_steps, args.lr, warmup_steps)
+                lr = cosine_lr(step, total_steps, args.lr, lr_warmup_steps)
                 for group in optim.param_groups:
                     group["lr"] = lr
             images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
@@ -618,15 +759,27 @@ def train_and_evaluate(
                 logits = model(images)
             loss = F.cross_entropy(logits.float(), labels)
             optim.zero_grad(set_to_none=True)
+            timed = step >= warmup
             if scaler is not None:
                 scaler.scale(loss).backward()
+                start = step_timer.mark() if timed else None
                 scaler.step(optim)
+                if timed:
+                    step_timer.add(start, step_timer.mark())
                 scaler.update()
             else:
                 loss.backward()
+                start = step_timer.mark() if timed else None
                 optim.step()
+                if timed:
+                    step_timer.add(start, step_timer.mark())
             step += 1
             n_images += labels.numel()
+            if timed:
+                timed_images += labels.numel()
+            elif step == warmup:  # the warm-up ends here: time from when its work is done
+                synchronize(device)
+                timed_start = time.perf_counter()
             interval_loss += loss.detach()
             interval_steps += 1
             if profiler is not None:
@@ -654,7 +807,11 @@ def train_and_evaluate(
             if step >= total_steps:
                 break
         synchronize(device)
-        train_time += time.perf_counter() - epoch_start
+        now = time.perf_counter()
+        train_time += now - epoch_start
+        if timed_start is not None:
+            timed_time += now - timed_start
+        step_timer.collect()
         acc = evaluate(model, val_loader, device, args.amp)
         val_acc_per_epoch.append(acc)
         bar.write(f"epoch {epoch + 1}: step {step}, loss {last_loss:.4f}, val accuracy {acc:.2%}")
@@ -666,10 +823,12 @@ def train_and_evaluate(
     stop_profiler(step)  # a run of fewer than PROFILE_ITERATIONS steps
 
     memory_gb, memory_kind = peak_memory(device)
+    del optim
     return {
         "run_name": run_name,
-        "optim": args.optim,
+        "optim": optim_name,
         "model": args.model,
+        "pretrained": not args.no_pretrained,
         "amp": args.amp,
         "dataset": args.dataset,
         "device": str(device),
@@ -686,10 +845,15 @@ def train_and_evaluate(
         "optim_compile": not args.no_optim_compile,
         "steps": step,
         "images": n_images,
+        "warmup_steps": warmup,
+        "timed_steps": len(step_timer.ms),
         "memory_gb": memory_gb,
         "memory_kind": memory_kind,
         "train_time_s": train_time,
-        "throughput_imgs_s": n_images / train_time if train_time > 0 else float("nan"),
+        "timed_time_s": timed_time,
+        "throughput_imgs_s": timed_images / timed_time if timed_time > 0 else float("nan"),
+        "optim_step_ms": statistics.median(step_timer.ms) if step_timer.ms else float("nan"),
+        "optim_step_timer": "cuda_events" if step_timer.cuda else "perf_counter",
         "val_acc": val_acc_per_epoch[-1] if val_acc_per_epoch else float("nan"),
         "val_acc_per_epoch": val_acc_per_epoch,
         "final_loss": last_loss,
@@ -699,14 +863,48 @@ def train_and_evaluate(
     }
 
 
+def aggregate(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One optimizer's repeats as one results line: the first run's settings, loss curve and accuracy per epoch;
+    the median over the repeats in the fields a single run has (the largest memory), and every repeat's figure
+    in ``*_runs`` lists, from which the table takes the spread."""
+    row = dict(runs[0])
+
+    def median(key):
+        return statistics.median(r[key] for r in runs)
+
+    row.update(
+        repeats=len(runs),
+        train_time_s=median("train_time_s"),
+        timed_time_s=median("timed_time_s"),
+        throughput_imgs_s=median("throughput_imgs_s"),
+        throughput_runs=[r["throughput_imgs_s"] for r in runs],
+        optim_step_ms=median("optim_step_ms"),
+        optim_step_ms_runs=[r["optim_step_ms"] for r in runs],
+        memory_gb=max(r["memory_gb"] for r in runs),
+        val_acc=median("val_acc"),
+        val_acc_runs=[r["val_acc"] for r in runs],
+        final_loss=median("final_loss"),
+    )
+    return row
+
+
 def summary_text(result: dict[str, Any]) -> str:
+    repeats = result.get("repeats", 1)
+    throughput = f"{result['throughput_imgs_s']:.1f} imgs/s"
+    step_ms = f"{result['optim_step_ms']:.3f} ms" if "optim_step_ms" in result else "n/a"
+    if repeats > 1:
+        runs = result["throughput_runs"]
+        throughput += f" (median of {repeats} repeats; {min(runs):.1f}–{max(runs):.1f})"
+        step_ms += f" ({min(result['optim_step_ms_runs']):.3f}–{max(result['optim_step_ms_runs']):.3f})"
+    timed = f", {result['warmup_steps']} warm-up steps untimed" if result.get("warmup_steps") else ""
     return "\n".join(
         [
             f"== {result['run_name']}: {result['model']}, amp {result['amp']}, {result['steps']} steps on "
             f"{result['device']} ==",
             f"memory:        {result['memory_gb']:.2f} GB, {MEMORY_LABELS[result['memory_kind']]}",
             f"training time: {format_duration(result['train_time_s'])} ({result['train_time_s']:.1f} s)",
-            f"throughput:    {result['throughput_imgs_s']:.1f} imgs/s",
+            f"throughput:    {throughput}{timed}",
+            f"optimizer:     {step_ms} per step ({result.get('optim_step_timer', 'n/a')})",
             f"val accuracy:  {result['val_acc']:.2%}",
         ]
     )
@@ -719,11 +917,24 @@ def append_result(path: str, result: dict[str, Any]) -> None:
         f.write(json.dumps(result) + "\n")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """One benchmark run from parsed arguments: build everything, train, record."""
+def optim_list(spec: str) -> list[str]:
+    """``--optim``'s names: one, or a comma list."""
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if not names:
+        raise BenchmarkError(f"--optim {spec!r} names no optimizer")
+    if len(set(names)) != len(names):
+        raise BenchmarkError(f"--optim {spec!r} names an optimizer twice; use --repeats to run one again")
+    return names
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The benchmark from parsed arguments: build the model once, then for ``--repeats`` rounds train it with
+    each ``--optim`` in turn (the order rotated each round), every run from the same starting weights, batches
+    and seed; one aggregated result per optimizer, in ``--optim``'s order."""
     device = resolve_device(args.device)
     check_amp(args.amp, device)
     wandb = require("wandb", "--project (wandb logging)") if args.project is not None else None
+    names = optim_list(args.optim)
     torch.manual_seed(args.seed)
 
     splits = load_splits(args)
@@ -731,29 +942,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     img_size, mean, std = model_data_config(model)
     train_set, val_set = build_datasets(args, splits, img_size, mean, std)
     model.to(device)
-    train_loader, val_loader = make_loaders(args, train_set, val_set, device)
+    # on the host: a copy on the device would count in every run's peak memory
+    start = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
-    wandb_run = None
-    if wandb is not None:
-        wandb_run = wandb.init(project=args.project, name=args.run_name, config=vars(args))
-    try:
-        result = train_and_evaluate(args, model, train_loader, val_loader, device, wandb_run)
-    finally:
-        if wandb_run is not None:
-            wandb_run.finish()
-    return result
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            model.load_state_dict(start)
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(args.seed)
+            train_loader, val_loader = make_loaders(args, train_set, val_set, device)
+            label = args.run_name or name
+            wandb_run = None
+            if wandb is not None:
+                wandb_run = wandb.init(
+                    project=args.project,
+                    name=label if args.repeats == 1 else f"{label} #{r + 1}",
+                    config={**vars(args), "optim": name},
+                )
+            try:
+                result = train_and_evaluate(
+                    args,
+                    model,
+                    train_loader,
+                    val_loader,
+                    device,
+                    wandb_run,
+                    optim_name=name,
+                    run_name=label,
+                    profile=args.profile and r == 0,
+                )
+            finally:
+                if wandb_run is not None:
+                    wandb_run.finish()
+            runs[name].append(result)
+            if args.repeats > 1:
+                print(
+                    f"repeat {r + 1}/{args.repeats} {name}: {result['throughput_imgs_s']:.1f} imgs/s, "
+                    f"optimizer {result['optim_step_ms']:.3f} ms/step",
+                    file=sys.stderr,
+                )
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return [aggregate(runs[n]) for n in names]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        result = run(args)
-        result["argv"] = list(sys.argv[1:] if argv is None else argv)
+        results = run(args)
     except BenchmarkError as err:
         print(f"benchmark_adam_8bit.py: error: {err}", file=sys.stderr)
         return 2
-    print(summary_text(result))
-    append_result(args.results, result)
+    for result in results:
+        result["argv"] = list(sys.argv[1:] if argv is None else argv)
+        print(summary_text(result))
+        append_result(args.results, result)
+    if len(results) > 1:
+        print()
+        print(markdown_table(results))
     print(f"appended to {args.results} (render with: python benchmarks/render_finetune_table.py {args.results})")
     return 0
 

@@ -6,6 +6,11 @@
 prints the table, writes it to ``results/finetune.md`` and draws ``results/finetune.png`` (loss curves and
 max-memory bars; needs matplotlib). ``--md`` and ``--png`` choose other paths, ``--no_png`` skips the
 chart. Several files may be given; their runs form one table, in order.
+
+Results of repeated runs (``--repeats``) carry each repeat's throughput: the table gives the median with the
+spread (min–max) and compares each row's throughput with the reference row's (the first, or ``--reference``):
+a difference inside the run-to-run spread reads "within noise" (``noise.py``), and a row measured once says it
+has no spread to judge by. Where the runs timed the optimizer's step, a column gives it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # noise.py sits here
+from noise import Spread, difference, ordering  # noqa: E402
 
 REQUIRED_KEYS = ("optim", "memory_gb", "memory_kind", "train_time_s", "throughput_imgs_s", "val_acc")
 
@@ -83,7 +91,29 @@ def _memory(row: dict[str, Any]) -> str:
     return text + " (peak RSS)" if row["memory_kind"] == "cpu_peak_rss" else text
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def throughput_spread(row: dict[str, Any]) -> Spread:
+    """The row's throughput over its repeats (one sample for a row measured once)."""
+    return Spread.of(row.get("throughput_runs") or [row["throughput_imgs_s"]])
+
+
+def _reference(rows: Sequence[dict[str, Any]], names: Sequence[str], reference: str | None) -> int:
+    """The index of the row the others are compared with: the first, or the one whose label or optimizer is
+    ``reference``."""
+    if reference is None:
+        return 0
+    for i, (name, row) in enumerate(zip(names, rows)):
+        if reference in (name, row["optim"]):
+            return i
+    raise RenderError(f"--reference {reference!r} is none of the table's rows ({', '.join(names)})")
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], reference: str | None = None) -> str:
+    """The table; rows from repeated runs add the throughput's spread and its comparison with the reference row
+    (the first, or ``reference``), and rows that timed the optimizer's step add that column."""
+    names = labels(rows)
+    repeated = any("throughput_runs" in r for r in rows)
+    timed_step = any("optim_step_ms" in r for r in rows)
+    ref = _reference(rows, names, reference) if repeated else None
     header = [
         "Optimizer",
         "Model",
@@ -93,10 +123,14 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         "Max memory (GB)",
         "Training time",
         "Throughput (imgs/s)",
-        "Val accuracy",
     ]
+    if repeated:
+        header.append(f"vs {names[ref]}")
+    if timed_step:
+        header.append("Optimizer step (ms)")
+    header.append("Val accuracy")
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    for name, row in zip(labels(rows), rows):
+    for i, (name, row) in enumerate(zip(names, rows)):
         model = str(row.get("model", "")).split("/")[-1]
         cells = [
             name,
@@ -106,9 +140,18 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             str(row.get("steps", "")),
             _memory(row),
             format_duration(row["train_time_s"]),
-            f"{row['throughput_imgs_s']:.1f}",
-            _percent(row["val_acc"]),
+            throughput_spread(row).text(1),
         ]
+        if repeated:
+            cells.append(
+                "(reference)"
+                if i == ref
+                else difference(throughput_spread(row), throughput_spread(rows[ref]), relative=True)
+            )
+        if timed_step:
+            step = row.get("optim_step_ms")
+            cells.append("" if step is None else Spread.of(row.get("optim_step_ms_runs") or [step]).text(3))
+        cells.append(_percent(row["val_acc"]))
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     notes = []
     if any(r["memory_kind"] == "cuda_max_allocated" for r in rows):
@@ -119,7 +162,21 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             "(`resource.getrusage`), not comparable to CUDA's allocated memory."
         )
     notes.append("GB = 10^9 bytes; training time excludes evaluation.")
-    return "\n".join(lines) + "\n\n" + " ".join(notes) + "\n"
+    if repeated:
+        notes.append(
+            "Throughput: the median over the repeats (min–max in brackets), after each run's untimed warm-up "
+            "steps; a difference from the reference inside the spreads is within noise, not a finding."
+        )
+    if timed_step:
+        notes.append(
+            "Optimizer step: its own time per step in the training loop (CUDA events around `optimizer.step()`; "
+            "the wall clock on a CPU), median over the timed steps."
+        )
+    text = "\n".join(lines) + "\n\n" + " ".join(notes) + "\n"
+    order = ordering(list(zip(names, map(throughput_spread, rows))), lower_is_better=False) if repeated else ""
+    if order:
+        text += f"\nHighest throughput first (≈: within noise): {order}.\n"
+    return text
 
 
 def plot(rows: Sequence[dict[str, Any]], path: str) -> None:
@@ -187,11 +244,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--md", default=None, help="Markdown output; default <first results file>.md")
     parser.add_argument("--png", default=None, help="PNG output; default <first results file>.png")
     parser.add_argument("--no_png", action="store_true", help="skip the chart")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="the row (label or optimizer) the others' throughput is compared with; default the first",
+    )
     args = parser.parse_args(argv)
     stem = Path(args.results[0]).with_suffix("")
     try:
         rows = load_results(args.results)
-        table = markdown_table(rows)
+        table = markdown_table(rows, args.reference)
         md_path = Path(args.md or f"{stem}.md")
         md_path.parent.mkdir(parents=True, exist_ok=True)
         md_path.write_text(table, encoding="utf-8")

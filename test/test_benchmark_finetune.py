@@ -102,6 +102,12 @@ def test_missing_bitsandbytes_is_a_clear_error(monkeypatch, capsys):
         (["--dataset", "synthetic", "--device", "cpu", "--amp", "fp16"], r"--amp fp16 .* needs CUDA"),
         (["--dataset", "synthetic", "--device", "cpu", "--n_workers", "-1"], r"--n_workers must be >= 0"),
         (["--dataset", "synthetic", "--device", "nonsense"], r"invalid --device 'nonsense'"),
+        (["--optim", "Adam,nope"], r"unknown optimizer 'nope'"),
+        (["--optim", "Adam,AdamW8bit,Adam"], r"--optim 'Adam,AdamW8bit,Adam' names an optimizer twice"),
+        (["--optim", ","], r"--optim ',' names no optimizer"),
+        (["--optim", "Adam,AdamW", "--run_name", "mine"], r"--run_name labels one optimizer's run; .* names 2"),
+        (["--repeats", "0"], r"--repeats: expected a positive integer, got '0'"),
+        (["--warmup_steps", "-1"], r"--warmup_steps: expected a non-negative integer, got '-1'"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, message, capsys):
@@ -197,16 +203,30 @@ def test_cosine_lr():
     assert bench.cosine_lr(37, total, base, warmup) == lrs[37]  # stateless
 
 
-def test_synthetic_images_are_deterministic_by_seed():
-    a, b, c = (bench.SyntheticImages(6, 45, 16, seed) for seed in (0, 0, 1))
-    assert len(a) == 6
-    image, label = a[3]
-    assert image.shape == (3, 16, 16) and image.dtype == torch.float32
-    assert -1 <= image.min() and image.max() <= 1 and 0 <= label < 45
-    assert torch.equal(a[3][0], b[3][0]) and a[3][1] == b[3][1]
-    assert not torch.equal(a[3][0], c[3][0])
-    assert not torch.equal(a[2][0], a[3][0])
-    assert torch.equal(a.labels, b.labels)
+def _epoch(loader):
+    return [(images.clone(), labels.clone()) for images, labels in loader]
+
+
+def test_synthetic_batches_are_made_on_the_device_and_the_same_for_every_run():
+    a, b, c = (bench.SyntheticImages(10, 45, 16, seed) for seed in (0, 0, 1))
+    assert len(a) == 10
+    loader = a.batches(4, torch.device("cpu"), shuffle=True, drop_last=True)
+    assert len(loader) == 2
+    first, second = _epoch(loader), _epoch(loader)
+    for images, labels in first:
+        assert images.shape == (4, 3, 16, 16) and images.dtype == torch.float32 and images.device.type == "cpu"
+        assert -1 <= images.min() and images.max() <= 1 and 0 <= labels.min() and labels.max() < 45
+    # every epoch shows the same batches, each whole (shuffled by batch), so a model can fit them
+    assert sorted(float(x.sum()) for x, _ in first) == sorted(float(x.sum()) for x, _ in second)
+    assert not torch.equal(first[0][0], first[1][0])
+    # a new loader (the next optimizer's run) replays the same sequence; another seed gives other images
+    again = _epoch(b.batches(4, torch.device("cpu"), shuffle=True, drop_last=True))
+    assert all(torch.equal(x, y) and torch.equal(u, v) for (x, u), (y, v) in zip(first, again))
+    other = _epoch(c.batches(4, torch.device("cpu"), shuffle=True, drop_last=True))
+    assert not any(torch.equal(x, y) for (x, _), (y, _) in zip(first, other))
+    # evaluation keeps the short last batch
+    val = a.batches(4, torch.device("cpu"), shuffle=False, drop_last=False)
+    assert [len(labels) for _, labels in val] == [4, 4, 2]
 
 
 def test_image_folder_layouts(tmp_path):
@@ -347,6 +367,11 @@ def test_training_loop_without_timm(tmp_path, capsys):
     result = bench.train_and_evaluate(args, model, train_loader, val_loader, torch.device("cpu"))
 
     assert result["steps"] == 5 and result["images"] == 20
+    # the first steps are untimed (4 by default in a run of 5: one stays timed); the rest time the optimizer
+    assert result["warmup_steps"] == 4 and result["timed_steps"] == 1
+    assert result["optim_step_timer"] == "perf_counter" and result["optim_step_ms"] > 0
+    assert result["timed_time_s"] < result["train_time_s"]
+    assert result["throughput_imgs_s"] == pytest.approx(4 / result["timed_time_s"])
     assert len(result["val_acc_per_epoch"]) == 2  # 3 steps an epoch: stopped in the second
     assert 0.0 <= result["val_acc"] <= 1.0
     assert [s for s, _ in result["loss_curve"]] == [2, 4, 5]
@@ -364,6 +389,84 @@ def test_training_loop_without_timm(tmp_path, capsys):
     rows = render.load_results([str(results)])
     assert len(rows) == 2 and rows[0]["optim"] == "AdamWDTQ8bit"
     assert "| AdamWDTQ8bit (bf16) #1 |" in render.markdown_table(rows)
+
+
+class _TinyClassifier(nn.Sequential):
+    """A stand-in for a timm model: what run() reads of one (its expected input size) and a 8x8 image input."""
+
+    pretrained_cfg = {"input_size": (3, 8, 8)}
+
+    def __init__(self, n_classes):
+        super().__init__(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, n_classes))
+
+
+def _finetune_args(tmp_path, *extra):
+    return bench.get_parser().parse_args(
+        [
+            "--device",
+            "cpu",
+            "--no_optim_compile",
+            "--batch_size",
+            "4",
+            "--n_epochs",
+            "2",
+            "--synthetic_train_size",
+            "16",
+            "--synthetic_val_size",
+            "8",
+            "--results",
+            str(tmp_path / "finetune.jsonl"),
+            *extra,
+        ]
+    )
+
+
+def test_repeats_alternate_the_optimizers_from_the_same_weights(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        bench, "build_model", lambda name, n_classes, pretrained, model_kwargs: _TinyClassifier(n_classes)
+    )
+    calls = []
+    train = bench.train_and_evaluate
+
+    def recording(args, model, train_loader, val_loader, device, wandb_run=None, **kw):
+        first_batch = next(iter(train_loader))[0]
+        calls.append((kw["optim_name"], [p.detach().clone() for p in model.parameters()], first_batch))
+        return train(args, model, train_loader, val_loader, device, wandb_run, **kw)
+
+    monkeypatch.setattr(bench, "train_and_evaluate", recording)
+    args = _finetune_args(tmp_path, "--optim", "AdamWTorchFused,AdamW8bit", "--repeats", "3", "--warmup_steps", "2")
+    rows = bench.run(args)
+
+    # the order turns each round, so neither optimizer always runs first
+    assert [name for name, _, _ in calls] == ["AdamWTorchFused", "AdamW8bit", "AdamW8bit", "AdamWTorchFused"] + [
+        "AdamWTorchFused",
+        "AdamW8bit",
+    ]
+    # every run starts from the same weights and sees the same first batch
+    for _, weights, batch in calls[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(calls[0][1], weights))
+        assert torch.equal(calls[0][2], batch)
+
+    assert [r["optim"] for r in rows] == ["AdamWTorchFused", "AdamW8bit"]
+    for row in rows:
+        assert row["repeats"] == 3 and row["steps"] == 8 and row["warmup_steps"] == 2 and row["timed_steps"] == 6
+        assert len(row["throughput_runs"]) == len(row["optim_step_ms_runs"]) == len(row["val_acc_runs"]) == 3
+        assert row["throughput_imgs_s"] == sorted(row["throughput_runs"])[1]  # the median of three
+        assert row["optim_step_ms"] == sorted(row["optim_step_ms_runs"])[1]
+        assert all(t > 0 for t in row["throughput_runs"] + row["optim_step_ms_runs"])
+    # the same optimizer from the same weights on the same batches trains the same way every time
+    assert rows[0]["val_acc_runs"][0] == rows[0]["val_acc_runs"][1] == rows[0]["val_acc_runs"][2]
+    table = render.markdown_table(rows)
+    assert "| vs AdamWTorchFused |" in table.splitlines()[0] and "(reference)" in table
+
+
+def test_warmup_steps_default_and_bad_value(tmp_path):
+    args = _finetune_args(tmp_path)
+    assert bench.warmup_steps(args, 100) == 5
+    assert bench.warmup_steps(args, 3) == 2  # a short run keeps one timed step
+    args = _finetune_args(tmp_path, "--warmup_steps", "8")
+    with pytest.raises(bench.BenchmarkError, match=r"--warmup_steps 8 leaves no timed step in a run of 8 steps"):
+        bench.warmup_steps(args, 8)
 
 
 # ---- the results table --------------------------------------------------------------------------------
@@ -429,6 +532,60 @@ def test_markdown_table(tmp_path):
     assert "| AdamWDTQ8bit |" in lines[4] and "| 4.78 |" in lines[4] and "94.14%" in lines[4]
     assert lines[5] == "| Adam on cpu | vit_tiny_patch16_224 | none | cpu | 3 | 0.61 (peak RSS) | 1.2s | 9.6 | 0.00% |"
     assert "torch.cuda.max_memory_allocated()" in table and "peak resident set size" in table
+
+
+def _repeated(optim, throughput_runs, step_ms_runs):
+    return dict(
+        optim=optim,
+        model="vit_base_patch16_224",
+        amp="bf16",
+        device="cuda",
+        device_name="NVIDIA H200",
+        steps=160,
+        repeats=len(throughput_runs),
+        memory_gb=2.0,
+        memory_kind="cuda_max_allocated",
+        train_time_s=9.0,
+        throughput_imgs_s=sorted(throughput_runs)[len(throughput_runs) // 2],
+        throughput_runs=throughput_runs,
+        optim_step_ms=sorted(step_ms_runs)[len(step_ms_runs) // 2],
+        optim_step_ms_runs=step_ms_runs,
+        val_acc=0.02,
+    )
+
+
+def test_throughput_inside_the_spread_is_within_noise():
+    rows = [
+        _repeated("Adam", [1262.0, 1378.0, 1300.0], [1.7, 1.9, 1.8]),
+        _repeated("AdamDTQ8bit", [1098.0, 1388.0, 1250.0], [0.45, 0.5, 0.47]),  # ranges overlap
+        _repeated("AdamW4bit", [1500.0, 1520.0, 1510.0], [0.38, 0.4, 0.39]),  # apart: 1510 vs 1300
+        _repeated("AdamWTorchForeach", [1000.0, 1010.0, 1020.0], [1.79, 1.8, 1.81]),  # apart, slower
+    ]
+    lines = render.markdown_table(rows).splitlines()
+    assert lines[0] == (
+        "| Optimizer | Model | AMP | Device | Steps | Max memory (GB) | Training time | Throughput (imgs/s) | "
+        "vs Adam | Optimizer step (ms) | Val accuracy |"
+    )
+    assert "| 1300.0 (1262.0–1378.0) | (reference) | 1.800 (1.700–1.900) |" in lines[2]
+    assert "| 1250.0 (1098.0–1388.0) | within noise | 0.470 (0.450–0.500) |" in lines[3]
+    assert "| 1510.0 (1500.0–1520.0) | +16.2% |" in lines[4]
+    assert "| 1010.0 (1000.0–1020.0) | -22.3% |" in lines[5]
+    assert (
+        lines[-1] == "Highest throughput first (≈: within noise): AdamW4bit > Adam ≈ AdamDTQ8bit > AdamWTorchForeach."
+    )
+
+    # against another reference, the same rule
+    lines = render.markdown_table(rows, reference="AdamDTQ8bit").splitlines()
+    assert "| vs AdamDTQ8bit |" in lines[0] and "| within noise |" in lines[2] and "| (reference) |" in lines[3]
+    assert "| +20.8% |" in lines[4]  # 1500-1520 lies above 1098-1388: apart, 1510 against 1250
+    with pytest.raises(render.RenderError, match=r"--reference 'Lion' is none of the table's rows \(Adam, "):
+        render.markdown_table(rows, reference="Lion")
+
+    # a run measured once has no spread to judge a difference by, and the table says so
+    single = dict(rows[2], throughput_runs=[1510.0], repeats=1)
+    lines = render.markdown_table([rows[0], single]).splitlines()
+    assert "| 1510.0 | no spread (1 repeat) |" in lines[3]
+    assert "Highest throughput first" not in "\n".join(lines)
 
 
 def test_format_duration_and_labels():
