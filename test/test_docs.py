@@ -199,3 +199,32 @@ def test_every_page_is_read():
         if block.fragment:
             first = block.code.splitlines()[0]
             assert re.match(r"# Fragment: \S", first), f"{block.id}: '# Fragment: <why>', got {first!r}"
+
+
+def test_every_optimizer_documents_its_arguments():
+    """``help()`` of every public optimizer lists each constructor argument under ``Args:`` as torch.optim's do,
+    one ``name (type): meaning`` entry each, rather than pointing to another class for some."""
+    import inspect
+
+    import torch
+
+    import torchao_optim
+
+    optimizers = [
+        getattr(torchao_optim, name)
+        for name in torchao_optim.__all__
+        if isinstance(getattr(torchao_optim, name), type)
+        and issubclass(getattr(torchao_optim, name), torch.optim.Optimizer)
+    ]
+    assert {"Adam", "AdamW8bit", "AdamW4bit", "AdamWFp8", "SGD8bit", "Lion8bit", "Muon8bit"} <= {
+        cls.__name__ for cls in optimizers
+    }
+    undocumented = {}
+    for cls in optimizers:
+        doc = inspect.getdoc(cls) or ""
+        args = doc.split("\nArgs:\n", 1)[1] if "\nArgs:\n" in doc else ""
+        names = [n for n in inspect.signature(cls).parameters if n != "self"]
+        missing = [n for n in names if not re.search(rf"^    {n} \([^)]*\): \S", args, re.M)]
+        if missing:
+            undocumented[cls.__name__] = missing
+    assert not undocumented, f"arguments without an 'Args:' entry: {undocumented}"
