@@ -261,8 +261,12 @@ def estimate_seconds(args, model_cfg: GPTConfig, corpus, val_batches, device) ->
         optimizer.zero_grad(set_to_none=True)
 
     train_step()  # first calls: allocations, lazy initialisation
-    # medians: on a shared machine one step now and then waits for another process
-    step_s = statistics.median(_timed(train_step) for _ in range(7))
+    # the median of the steps of about a second (at least 5): on a shared machine a step now and then waits for
+    # another process
+    times, start = [], time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < 1.0 and len(times) < 100):
+        times.append(_timed(train_step))
+    step_s = statistics.median(times)
     eval_s = statistics.median(_timed(lambda: evaluate(model, val_batches, device)) for _ in range(2))
     evaluations = 1 + len({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
     per_run = args.steps * step_s + evaluations * eval_s
