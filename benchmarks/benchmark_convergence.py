@@ -20,7 +20,7 @@ Optimizers (``--optims``, comma separated):
 
 The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format that is not already
 covered by ``AdamW8bit`` and that the fused executors take (it has a ``fast_path_layout()``), over seeds 0 and 1,
-with the ``small`` model: about 3 minutes on a 2-core CPU, printed before training starts (estimated from timed
+with the ``small`` model: under 3 minutes on a quiet 2-core CPU, printed before training starts (estimated from timed
 steps). A format without a fused layout (``4bit_rank1``) takes the per-parameter compiled path: on a 2-core CPU its
 first step compiles for about a minute and its steps are about 4x slower, so it runs only when asked for, by
 ``--all_formats`` or ``--optims``.
@@ -96,7 +96,7 @@ PRESETS: dict[str, Preset] = {
         steps=300,
         batch_size=16,
         lr=2e-3,
-        note="the default: a few minutes on a 2-core CPU",
+        note="the default: under 3 minutes on a quiet 2-core CPU",
     ),
     "gpt10m": Preset(
         GPTConfig(d_model=384, n_layer=6, n_head=6, context=256), steps=3000, batch_size=32, lr=1e-3, note="a GPU"
