@@ -18,8 +18,12 @@ Optimizers (``--optims``, comma separated):
   ``LionBnb8bit``: the other optimizers against their fp32 forms (``*TorchQuantized``: a stock optimizer through
   ``quantize_optimizer_state``); see ``benchmarks/optimizers.py``.
 
-The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format not already
-covered by ``AdamW8bit``, over seeds 0 and 1, with the ``small`` model: a few minutes on a 2-core CPU.
+The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format that is not already
+covered by ``AdamW8bit`` and that the fused executors take (it has a ``fast_path_layout()``), over seeds 0 and 1,
+with the ``small`` model: under 3 minutes on a quiet 2-core CPU, printed before training starts (estimated from timed
+steps). A format without a fused layout (``4bit_rank1``) takes the per-parameter compiled path: on a 2-core CPU its
+first step compiles for about a minute and its steps are about 4x slower, so it runs only when asked for, by
+``--all_formats`` or ``--optims``.
 
 Written under ``--out`` (default ``results/convergence``):
 
@@ -30,6 +34,8 @@ Written under ``--out`` (default ``results/convergence``):
 
 Acceptance check, printed and saved: each optimizer's mean final validation loss is within AdamW's
 seed-to-seed spread: ``|mean - AdamW's mean| <= AdamW's range`` (range = max - min over at least two seeds).
+The script exits with status 1 when an optimizer fails it (after writing its results), 0 otherwise (an undecided
+check, with one seed, is not a failure).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Sequence
@@ -89,7 +96,7 @@ PRESETS: dict[str, Preset] = {
         steps=300,
         batch_size=16,
         lr=2e-3,
-        note="the default: a few minutes on a 2-core CPU",
+        note="the default: under 3 minutes on a quiet 2-core CPU",
     ),
     "gpt10m": Preset(
         GPTConfig(d_model=384, n_layer=6, n_head=6, context=256), steps=3000, batch_size=32, lr=1e-3, note="a GPU"
@@ -107,10 +114,29 @@ PRESETS: dict[str, Preset] = {
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
-def default_optims() -> list[str]:
-    """AdamW, AdamW8bit, and every registered format that no alias above already covers."""
+def has_fused_layout(state_format: str) -> bool:
+    """Whether the fused executors (the C step on the CPU, the Triton kernels on CUDA) take a matrix's states in
+    ``state_format``: both its states describe themselves by a layout. A format without one takes the
+    per-parameter compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
+    fmt = torchao_optim.get_state_format(state_format)
+    return all(fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() is not None for s in (True, False))
+
+
+def default_optims(all_formats: bool = False) -> list[str]:
+    """AdamW, AdamW8bit, and every registered format that no alias above already covers and that has a fused
+    layout; with ``all_formats``, the formats without one too."""
     covered = set(ALIASES.values())
-    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in torchao_optim.list_state_formats() if f not in covered]
+    formats = [f for f in torchao_optim.list_state_formats() if f not in covered]
+    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in formats if all_formats or has_fused_layout(f)]
+
+
+def takes_compiled_path(name: str) -> bool:
+    """Whether optimizer ``name`` is an Adam of ours whose matrices take the per-parameter compiled path: a format
+    without a fused layout, or ``fused=False``."""
+    entry = optimizers.optimizer_table()[optimizers.resolve(name)]
+    if not entry.name.startswith("Adam") or entry.state_format in (None, "none"):
+        return False
+    return entry.name.startswith("AdamWCompiled-") or not has_fused_layout(entry.state_format)
 
 
 def compiled_graph_count() -> int:
@@ -218,6 +244,48 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
     }
 
 
+def estimate_seconds(args, model_cfg: GPTConfig, corpus, val_batches, device) -> tuple[float, float]:
+    """The run's expected wall time in seconds, and the step time it is scaled from: training steps of fp32 AdamW on
+    a throwaway model, and evaluations, timed here (medians) and scaled to every run's steps and evaluations.
+    Our fused-path optimizers' steps cost about what fp32 AdamW's do at this size (the model's forward and
+    backward dominate); an optimizer that compiles its first step takes longer than this says."""
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(device=device, dtype=PARAM_DTYPES[args.param_dtype])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(0)
+
+    def train_step() -> None:
+        x, y = corpus.train_batch(args.batch_size, args.seq_len, gen)
+        model(x.to(device), y.to(device)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    train_step()  # first calls: allocations, lazy initialisation
+    # the median of the steps of about a second (at least 5): on a shared machine a step now and then waits for
+    # another process
+    times, start = [], time.perf_counter()
+    while len(times) < 5 or (time.perf_counter() - start < 1.0 and len(times) < 100):
+        times.append(_timed(train_step))
+    step_s = statistics.median(times)
+    eval_s = statistics.median(_timed(lambda: evaluate(model, val_batches, device)) for _ in range(2))
+    evaluations = 1 + len({s for s in range(args.eval_every, args.steps + 1, args.eval_every)} | {args.steps})
+    per_run = args.steps * step_s + evaluations * eval_s
+    return len(args.seeds) * len(args.optims) * per_run, step_s
+
+
+def _timed(fn) -> float:
+    """Seconds ``fn()`` takes; on CUDA, until the device has finished it."""
+    start = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{seconds % 60:02.0f}s"
+
+
 # ---- summary -------------------------------------------------------------------------------------------
 
 
@@ -310,6 +378,16 @@ def markdown_table(summary: dict[str, dict], checks: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def failed_acceptance(result: dict) -> list[str]:
+    """The optimizers whose acceptance check failed (a diverged run included); undecided checks are not failures."""
+    return [name for name, c in result["acceptance"].items() if isinstance(c, dict) and c["passed"] is False]
+
+
+def exit_status(result: dict) -> int:
+    """The script's exit status: 1 if an optimizer failed the acceptance check, else 0."""
+    return 1 if failed_acceptance(result) else 0
+
+
 def plot_curves(runs: list[dict], optims: Sequence[str], path: Path) -> str | None:
     """Validation loss against step (one colour per optimizer, one line per seed); with AdamW among the
     runs, a second panel shows each run's difference to AdamW on the same seed. Returns a note if skipped."""
@@ -368,12 +446,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--optims",
-        default=",".join(default_optims()),
+        default=None,
         help="comma-separated optimizers of benchmarks/optimizers.py: AdamW (torch.optim.AdamW), "
         "AdamW8bit (torchao_optim.AdamW8bit), AdamW-FMT (torchao_optim.AdamW(state_format=FMT)) "
         f"for FMT in {', '.join(torchao_optim.list_state_formats() + ['none'])}, AdamW4bit, "
         "AdamWFp8, bnb (bitsandbytes.optim.AdamW8bit), torchao (torchao.optim.AdamW8bit), "
-        "AdamWTorchao4bit, AdamWTorchaoFp8, ... Default: %(default)s",
+        "AdamWTorchao4bit, AdamWTorchaoFp8, ... Default: "
+        f"{','.join(default_optims())} (the registered formats with a fused layout)",
+    )
+    parser.add_argument(
+        "--all_formats",
+        action="store_true",
+        help="with the default --optims, also every registered format without a fused layout "
+        f"({', '.join(o for o in default_optims(True) if o not in default_optims()) or 'none today'}): "
+        "the per-parameter compiled path, whose first step compiles (about a minute on a 2-core CPU) "
+        "and whose steps are slower",
     )
     parser.add_argument(
         "--model_size", default="small", choices=list(PRESETS), help="model preset, see below. Default: %(default)s"
@@ -469,6 +556,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.seeds:
         fail("--seeds is empty")
 
+    if args.optims is None:
+        args.optims = ",".join(default_optims(args.all_formats))
+    elif args.all_formats:
+        fail("--all_formats extends the default --optims; with --optims, name every optimizer to run")
     args.optims = [o.strip() for o in args.optims.split(",") if o.strip()]
     for name in args.optims:
         if optimizers.resolve(name) is None:
@@ -537,6 +628,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"device {device}"
     )
 
+    expected_s, step_s = estimate_seconds(args, preset.model, corpus, val_batches, device)
+    print(
+        f"expected duration: about {_minutes(expected_s)} ({len(args.optims)} optimizers x {len(args.seeds)} "
+        f"seeds x {args.steps} steps; an fp32 AdamW step takes {step_s * 1e3:.0f} ms here)"
+    )
+    unfused = [o for o in args.optims if takes_compiled_path(o)]
+    if unfused:
+        print(
+            f"  not counted: {', '.join(unfused)} take the per-parameter compiled path: a first step that compiles "
+            "(about a minute on a 2-core CPU) and slower steps"
+        )
+
     runs = []
     for seed in args.seeds:
         for name in args.optims:
@@ -571,8 +674,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if plot_note:
         print(plot_note)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}" + ("" if plot_note else f", {out / 'val_loss.png'}"))
+    print(f"took {_minutes(result['total_wall_time_s'])} (expected about {_minutes(expected_s)})")
+    failed = failed_acceptance(result)
+    if failed:
+        print(f"acceptance check failed: {', '.join(failed)} (exit status 1)")
     return result
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(exit_status(main()))

@@ -2,6 +2,7 @@
 
 import json
 import math
+import subprocess
 import sys
 
 import pytest
@@ -68,6 +69,7 @@ def test_json(results):
     assert ours["state_bytes_per_param"] < 3.0
     assert abs(ours["final_val_loss"] - adamw["final_val_loss"]) < 0.1
     assert data["acceptance"]["AdamW8bit"]["passed"] is None  # one seed: undecided
+    assert bench.exit_status(returned) == 0  # an undecided check is not a failure
 
 
 def test_markdown(results):
@@ -91,6 +93,65 @@ def test_default_optims_skip_formats_covered_by_an_alias():
     optims = bench.default_optims()
     assert optims[:2] == ["AdamW", "AdamW8bit"]
     assert "AdamW-dtq8" not in optims and len(optims) == len(set(optims))
+
+
+def test_default_optims_leave_formats_without_a_fused_layout_to_all_formats(capsys):
+    """The default run stays short: a format without a fused layout (its first step compiles for about a minute
+    on a CPU) runs only when asked for."""
+    assert bench.has_fused_layout("4bit") and not bench.has_fused_layout("4bit_rank1")
+    default, every = bench.default_optims(), bench.default_optims(all_formats=True)
+    assert "AdamW-4bit" in default and "AdamW-fp8" in default and "AdamW-4bit_rank1" not in default
+    assert "AdamW-4bit_rank1" in every and set(default) < set(every)
+    assert [o for o in every if o not in default] == [o for o in every if bench.takes_compiled_path(o)]
+    assert bench.parse_args([]).optims == default
+    assert bench.parse_args(["--all_formats"]).optims == every
+    assert bench.takes_compiled_path("AdamW-4bit_rank1") and bench.takes_compiled_path("AdamWCompiled-dtq8")
+    assert not any(bench.takes_compiled_path(o) for o in default)
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(["--all_formats", "--optims", "AdamW"])
+    assert exc.value.code == 2
+    assert "--all_formats extends the default --optims" in capsys.readouterr().err
+
+
+TINY_TWO_SEEDS = [
+    "--model_size",
+    "tiny",
+    "--steps",
+    "8",
+    "--batch_size",
+    "4",
+    "--seeds",
+    "0,1",
+    "--eval_every",
+    "8",
+    "--eval_batches",
+    "1",
+    "--device",
+    "cpu",
+]
+
+
+def test_failed_acceptance_sets_a_nonzero_exit_status(tmp_path):
+    """SGD (50x AdamW's lr) ends 0.4 below fp32 AdamW, whose two seeds end 0.03 apart after 8 steps: the check
+    fails, and the script, run as a user runs it, says so last and exits with status 1 after writing its results."""
+    out = tmp_path / "out"
+    argv = [sys.executable, bench.__file__, *TINY_TWO_SEEDS, "--optims", "AdamW,SGD", "--out", str(out)]
+    proc = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[2].startswith("expected duration: about ")  # before any training: after corpus and model lines
+    assert any(line.startswith("- Acceptance, SGD: ") and line.endswith(": FAIL") for line in lines)
+    assert lines[-1] == "acceptance check failed: SGD (exit status 1)"
+    data = json.loads((out / "results.json").read_text())
+    assert data["acceptance"]["SGD"]["passed"] is False
+    assert bench.failed_acceptance(data) == ["SGD"] and bench.exit_status(data) == 1
+
+
+def test_passed_acceptance_exits_zero(tmp_path):
+    """fp32 state through our update matches torch.optim.AdamW to rounding: within AdamW's seed range."""
+    result = bench.main([*TINY_TWO_SEEDS, "--optims", "AdamW,AdamW-none", "--out", str(tmp_path)])
+    assert result["acceptance"]["AdamW-none"]["passed"] is True
+    assert bench.failed_acceptance(result) == [] and bench.exit_status(result) == 0
 
 
 def test_missing_peer_is_a_one_line_error(monkeypatch, capsys):

@@ -97,16 +97,28 @@ class Muon8bit(LowBitOptimizer):
         eps (float, optional): the norm's floor in the orthogonalization. Default: ``1e-7``.
         ns_steps (int, optional): Newton-Schulz iterations. Default: ``5``.
         adjust_lr_fn (str, optional): ``None``/``"original"`` or ``"match_rms_adamw"``. Default: ``None``.
-        adamw_betas, adamw_eps: the AdamW fallback's. Default: ``(0.9, 0.95)``, ``1e-8``.
+        adamw_betas (Tuple[float, float], optional): the AdamW fallback's betas. Default: ``(0.9, 0.95)``.
+        adamw_eps (float, optional): the AdamW fallback's eps. Default: ``1e-8``.
         use_muon (bool, optional): ``None``: Muon for 2-D parameters, AdamW for the rest; ``False``: AdamW for
             all the group's parameters; ``True``: Muon, and every parameter must be 2-D. Default: ``None``.
         maximize (bool, optional): maximize the objective. Default: ``False``.
         state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
-        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`.
-            The AdamW fallback's parameters take the fused path as AdamW8bit's do (``fused=None`` or ``True``:
-            the CUDA kernels, or the fused CPU step). The 2-D parameters always take the compiled path: no
-            fused kernel implements Muon, whose cost is the orthogonalization's matrix products. So
-            ``capturable=True`` is refused.
+        block_size (int, optional): elements per quantization block; ``None`` takes the format's default.
+        min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
+        compile (bool, optional): compile each per-parameter update with ``torch.compile``; falls back to eager
+            mode, with one warning, where compiling fails. Default: ``True``.
+        fused (bool, optional): the AdamW fallback's parameters take the fused path as AdamW8bit's do (``None``
+            or ``True``: the Triton kernels on CUDA, the fused C step on the CPU; ``False``: the compiled path).
+            The 2-D parameters always take the compiled path: no fused kernel implements Muon, whose cost is the
+            orthogonalization's matrix products. Default: ``None``.
+        foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
+        capturable (bool, optional): ``True`` is refused (``ValueError``): Muon's step is not a fused launch.
+            Default: ``False``.
+        differentiable (bool, optional): ``True`` is refused (``ValueError``). Default: ``False``.
+        bf16_stochastic_round (bool, optional): write bf16 parameters with stochastic rounding, as
+            :class:`Adam`. Default: ``False``.
+        offload_state (bool, optional): ``True`` is refused (``ValueError``): no fused kernel implements Muon.
+            Default: ``False``.
     """
 
     STATE_KEYS = ("momentum_buffer", "exp_avg", "exp_avg_sq")

@@ -47,7 +47,21 @@ class SGD8bit(LowBitOptimizer):
         nesterov (bool, optional): Nesterov momentum. Default: ``False``.
         maximize (bool, optional): maximize the objective. Default: ``False``.
         state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
-        block_size, min_quant_size, compile, fused, foreach, capturable, differentiable: as :class:`Adam`.
+        block_size (int, optional): elements per quantization block; ``None`` takes the format's default.
+        min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
+        compile (bool, optional): compile each per-parameter update with ``torch.compile``; falls back to eager
+            mode, with one warning, where compiling fails. Default: ``True``.
+        fused (bool, optional): update each parameter group with one multi-tensor call (the Triton kernels on
+            CUDA, the fused C step on the CPU) wherever it runs, other parameters on the compiled path; ``True``
+            raises ``RuntimeError`` where neither can run; ``False`` turns it off. Default: ``None``.
+        foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
+        capturable (bool, optional): the step can be captured in a CUDA graph; needs every parameter on the
+            fused CUDA path. Default: ``False``.
+        differentiable (bool, optional): ``True`` is refused (``ValueError``). Default: ``False``.
+        bf16_stochastic_round (bool, optional): write bf16 parameters with stochastic rounding, as
+            :class:`Adam`. Default: ``False``.
+        offload_state (bool, optional): keep GPU parameters' state in host memory, streamed through the fused
+            CUDA kernels, as :class:`Adam`. Default: ``False``.
     """
 
     STATE_KEYS = ("momentum_buffer",)
