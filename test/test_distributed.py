@@ -188,7 +188,8 @@ def backward_to(model, step):
     ``world * grads`` as its gradient, the other ranks' zero, and FSDP2 averages them (sums with zeros, and a
     division by a power of two: exact)."""
     scale = dist.get_world_size() if dist.get_rank() == 0 else 0
-    model({name: g * scale for name, g in grads(model, step).items()}).backward()
+    device = next(model.parameters()).device_mesh.device_type  # where FSDP2 computes (host shards on GPUs too)
+    model({name: (g * scale).to(device) for name, g in grads(model, step).items()}).backward()
 
 
 def snapshot(model, opt):
@@ -260,9 +261,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, job, out, args, timeout):
+def _entry(rank, world, port, job, out, args, timeout, backend):
+    if "cuda" in backend:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
@@ -277,9 +280,9 @@ def _entry(rank, world, port, job, out, args, timeout):
         dist.destroy_process_group()
 
 
-def spawn(job, world, out, *args, timeout=TIMEOUT):
-    """Run ``job(out, *args)`` on ``world`` gloo ranks and return what rank 0 returned; fail after ``timeout``
-    seconds."""
+def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
+    """Run ``job(out, *args)`` on ``world`` ranks (a process group of ``backend``) and return what rank 0
+    returned; fail after ``timeout`` seconds."""
     # Not fork: a child forked from a process that has run torch ops can hang (OpenMP's thread pool). A fork
     # server that imports torch and the packages the jobs use once, before any op, then forks the ranks, which
     # import only this module (on 2 cores, 4 ranks importing torch at once took 20 s). This module too where the
@@ -288,7 +291,11 @@ def spawn(job, world, out, *args, timeout=TIMEOUT):
     if method == "forkserver":
         multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
     ctx = mp.start_processes(
-        _entry, args=(world, _free_port(), job, out, args, timeout), nprocs=world, join=False, start_method=method
+        _entry,
+        args=(world, _free_port(), job, out, args, timeout, backend),
+        nprocs=world,
+        join=False,
+        start_method=method,
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=2):
@@ -420,7 +427,9 @@ def case_model(case, mesh=None):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = Net().to(torch.bfloat16) if case.bf16 else Net()
-    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if case.offload else {}
+    # pinned host memory where a GPU copies gradients into it (the policy's default)
+    pin = mesh is not None and mesh.device_type == "cuda"
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if case.offload else {}
     return sharded(model, mesh=mesh, **policy)
 
 
@@ -461,17 +470,18 @@ def case_snapshot(model, opt):
     return dict(snapshot(model, opt), explain=opt.explain(), plans=(fused, rest), misplaced=misplaced)
 
 
-def run_cases(cases, steps=STEPS) -> list:
-    """Each of ``cases`` on every rank (HSDP on a 2 x (world / 2) mesh): :func:`case_snapshot` after ``steps``."""
+def run_cases(cases, steps=STEPS, device="cpu") -> list:
+    """Each of ``cases`` on every rank (HSDP on a 2 x (world / 2) mesh), on meshes of ``device``:
+    :func:`case_snapshot` after ``steps``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    hsdp = None
+    meshes = {"fsdp": init_device_mesh(device, (world,)) if device != "cpu" else None}
     if any(case.mesh == "hsdp" for case in cases):
-        hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        meshes["hsdp"] = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     results = []
     for case in cases:
-        model = case_model(case, hsdp if case.mesh == "hsdp" else None)
+        model = case_model(case, meshes[case.mesh])
         opt = case_optimizer(model, case)
         case_train(model, opt, case, range(steps))
         results.append(case_snapshot(model, opt))
@@ -506,10 +516,10 @@ def resharded(case, out, groups) -> dict:
     return result
 
 
-def cases_job(out, cases, reshard=()):
-    """Each of ``cases`` (:func:`run_cases`), then each of ``reshard`` resharded 4 -> 2 -> 1 -> 4 (:func:`resharded`,
-    on 4 ranks)."""
-    result = {"cases": run_cases(cases)}
+def cases_job(out, cases, reshard=(), device="cpu"):
+    """Each of ``cases`` (:func:`run_cases`, on meshes of ``device``), then each of ``reshard`` resharded
+    4 -> 2 -> 1 -> 4 (:func:`resharded`, on 4 ranks)."""
+    result = {"cases": run_cases(cases, device=device)}
     if reshard:
         if dist.get_world_size() != 4:
             raise ValueError(f"resharding 4 -> 2 -> 1 -> 4 runs on 4 ranks, not {dist.get_world_size()}")
@@ -972,21 +982,58 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
             self.fail("\n".join(problems))
 
 
+@unittest.skipUnless(DISTRIBUTED and torch.cuda.is_available(), "needs a CUDA device (and gloo for host tensors)")
+class TestCudaMesh(CaseChecks, expecttest.TestCase):
+    """CPUOffloadPolicy on GPUs: fully_shard on a CUDA mesh (one rank per GPU, two at most; NCCL, and gloo for
+    what is in host memory) with the shards, their gradients and the states in host memory. The states stay
+    there, every parameter takes the fused C step, and training is bit for bit single-process fused CPU
+    training on the same gradients (reduced through FSDP2's reduce-scatter on the GPUs, in backward)."""
+
+    CASES = {
+        "adamw_backward": Case("AdamW", "dtq8", offload=True, grads="backward"),
+        "adamw_4bit_bf16_in_backward": Case("AdamW", "4bit", offload=True, bf16=True, grads="in_backward"),
+        "sgd_fp8": Case("SGD8bit", "fp8", offload=True),
+        "lion_backward": Case("Lion8bit", "dtq8", offload=True, grads="backward"),
+        "muon_backward": Case("Muon8bit", "dtq8", offload=True, grads="backward"),
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        from torchao_optim.kernels.cpu import cpu_dtypes
+
+        if not cpu_dtypes():
+            raise unittest.SkipTest("the fused CPU step could not be built here (python -m torchao_optim says why)")
+        world = min(2, torch.cuda.device_count())
+        with tempfile.TemporaryDirectory() as out:
+            cases = list(cls.CASES.values())
+            cls.result = spawn(cases_job, world, out, cases, (), "cuda", backend="cpu:gloo,cuda:nccl")
+
+    def test_adamw_dtq8(self):
+        self.check_case("adamw_backward")
+
+    def test_adamw_4bit_bf16_stochastic_round_step_in_backward(self):
+        self.check_case("adamw_4bit_bf16_in_backward")
+
+    def test_sgd8bit_and_lion8bit(self):
+        self.check_case("sgd_fp8")
+        self.check_case("lion_backward")
+
+    def test_muon8bit_adamw_fallback(self):
+        self.check_case("muon_backward")
+
+
 # ---- the whole cross product (--runslow) ------------------------------------------------------------------
-SWEEP_FEATURES = (
-    {},
-    {"executor": "eager"},
-    {"offload": True},
-    {"grads": "backward"},
-    {"grads": "in_backward"},
-    {"bf16": True},
-    {"mesh": "hsdp"},
-)
-SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU cores: 43 s on 2 ranks, 102 s on 4)
+# each feature alone, and with HSDP and with CPUOffloadPolicy (HSDP on 4 ranks only)
+SWEEP_FEATURES = [
+    dict(mesh, **feature)
+    for mesh in ({}, {"mesh": "hsdp"}, {"offload": True})
+    for feature in ({}, {"executor": "eager"}, {"grads": "backward"}, {"grads": "in_backward"}, {"bf16": True})
+]
+SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU cores: 81 s on 2 ranks, 217 s on 4)
 
 
 def sweep_cases(world) -> list:
-    """Every optimizer x every format x each feature (HSDP on 4 ranks)."""
+    """Every optimizer x every format x each of SWEEP_FEATURES (HSDP on 4 ranks)."""
     return [
         Case(opt, fmt, **feature)
         for opt in OPTIMIZERS
