@@ -1,12 +1,16 @@
-"""Beyond one process: FSDP2 (``fully_shard``), DDP and distributed checkpoints (DCP), on CPU.
+"""Beyond one process: FSDP2 (``fully_shard``), HSDP, DDP and distributed checkpoints (DCP), on CPU.
 
 Two kinds of tests. In this process, each rank of a 2-rank (or 4-rank) FSDP2 model is simulated in turn on
 torch's fake process group (no communication; the optimizer needs none): the local parameters and states
-after each step must be exactly the rows of single-process training's. Then real ranks: 2 processes on gloo
-(``torch.multiprocessing``, started by a fork server, on a free port; a job that hangs is killed after
-``TIMEOUT`` seconds and fails the test) train, save a DCP checkpoint, resume it on 2 ranks and on 1, and
-write what they end with (whole parameters and states, gathered with ``full_tensor()``: a real all-gather of
-quantized states) to a file that the tests compare with single-process training here.
+after each step must be exactly the rows of single-process training's. Then real ranks: 2 or 4 processes on
+gloo (``torch.multiprocessing``, started by a fork server, on a free port; a job that hangs is killed after
+``TIMEOUT`` seconds and fails the test) train, save DCP checkpoints and resume them on other numbers of ranks,
+and write what they end with (whole parameters and states, gathered with ``full_tensor()``: a real all-gather of
+quantized states) to a file that the tests compare with single-process training here. A :class:`Case` is one
+such run of one optimizer, format and feature (HSDP, CPUOffloadPolicy, the step in backward, bf16 stochastic
+rounding, the fused C step or the per-parameter path); each job batches several, since starting ranks is the
+cost. CI runs a sample that has each of them once on 2 and on 4 ranks; ``--runslow`` runs every optimizer x
+every format x each feature (``test_sweep``).
 
 The model has one parameter of each kind the block rule (``optim/sharded.py``) tells apart, with dim 0 sizes
 that shard unevenly on two ranks:
@@ -17,24 +21,30 @@ that shard unevenly on two ranks:
 - ``fc3.weight`` (256, 67): rows of an odd 67 elements: no block fits, plain fp32 state;
 - the biases: 1-D, plain fp32 state.
 
-Every optimizer here runs eagerly (``compile=False``): the distributed code is the same whichever executor
-runs the update (the update sees local tensors only), and compiling in every rank would take minutes
-on a CPU; the fused executor is checked on shards in Triton's interpreter, on a smaller model.
+Every optimizer here runs without compiling (``compile=False``): the distributed code is the same whichever
+executor runs the update (the update sees local tensors only), and compiling in every rank would take minutes
+on a CPU. The fused executors are checked on shards too: the C step (``fused=None``, the default on the CPU)
+in the cases, Triton's kernels in Triton's interpreter on a smaller model.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import functools
 import math
 import multiprocessing
 import os
+import re
 import socket
 import tempfile
+import textwrap
 import time
 import unittest
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -44,6 +54,7 @@ from torchao_optim import (
     AdamW8bit,
     DTQ8bitTensor,
     Lion8bit,
+    Muon8bit,
     QuantizedState,
     SGD8bit,
     dequantize_state_dict,
@@ -53,6 +64,7 @@ from torchao_optim import (
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.sharded import row_aligned_block_size
 from torchao_optim.testing import assert_same_tensor
+from torchao_optim.testing.compare import same_tensor_problems
 
 TIMEOUT = 180  # seconds for the 2-rank job, startup included
 LR, WD, STEPS, MIN_QUANT = 1e-2, 0.1, 3, 1024
@@ -60,25 +72,39 @@ DISTRIBUTED = dist.is_available() and dist.is_gloo_available()
 
 
 # ---- the problem: a model, per-step gradients, a global batch ---------------------------------------------
+class Linear(torch.nn.Linear):
+    def forward(self, x):
+        if isinstance(x, tuple):
+            # (coefficients of the weight, of the bias): a loss whose gradient is exactly the coefficients
+            w, b = x
+            return (self.weight * w).sum() + (self.bias * b).sum()
+        return super().forward(x)
+
+
 class Net(torch.nn.Module):
     def __init__(self, dims=(256, 96, 67, 256)):
         super().__init__()
         gen = torch.Generator().manual_seed(0)
-        self.fc1, self.fc2, self.fc3 = (torch.nn.Linear(a, b) for a, b in zip(dims, dims[1:]))
+        self.fc1, self.fc2, self.fc3 = (Linear(a, b) for a, b in zip(dims, dims[1:]))
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
     def forward(self, x):
+        if isinstance(x, dict):  # parameter name -> coefficients (see Linear)
+            layers = (("fc1", self.fc1), ("fc2", self.fc2), ("fc3", self.fc3))
+            return sum(layer((x[f"{name}.weight"], x[f"{name}.bias"])) for name, layer in layers)
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
 def grads(model, step):
-    """name -> the global gradient at ``step``: magnitudes spread over e^4 within each block, so that blockwise
-    quantization matters."""
+    """name -> the global gradient at ``step``, in the parameter's dtype: magnitudes spread over e^4 within each
+    block, so that blockwise quantization matters."""
     gen = torch.Generator().manual_seed(100 + step)
     return {
-        name: torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)
+        name: (torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)).to(
+            p.dtype
+        )
         for name, p in model.named_parameters()
     }
 
@@ -92,41 +118,78 @@ def optimizer(model, fused=False, cls=AdamW8bit, **kw):
     return cls(model.parameters(), lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
 
 
-def reference_optimizer(model, fused=False, cls=AdamW8bit, **kw):
-    """Single-process ``cls`` (AdamW8bit) with, for each parameter, the state layout the block rule gives it when
-    sharded (without sharding, fc2.weight would take blocks of 256 and fc3.weight quantized state): a group per
-    quantized parameter with its block size, one group of plain state for the rest."""
-    default_block = get_state_format(kw.get("state_format", "dtq8")).default_block_size
-    groups, plain = [], []
-    for p in model.parameters():
-        block_size = row_aligned_block_size(p.shape, default_block) if p.numel() >= MIN_QUANT else None
-        if block_size is None:
-            plain.append(p)
-        else:
-            groups.append({"params": [p], "block_size": block_size})
-    return cls(
-        groups + [{"params": plain, "state_format": "none"}],
-        lr=LR,
-        weight_decay=WD,
-        min_quant_size=MIN_QUANT,
-        compile=False,
-        fused=fused,
-        **kw,
-    )
+def sharded_block_size(shape, fmt: str) -> int | None:
+    """The block size of the state of a parameter of global ``shape`` sharded along dim 0, in format ``fmt``; None
+    for plain fp32 state: the block rule (``row_aligned_block_size``, tested on its own below), for formats whose
+    scales cover one block each; a rank-1 format's column scales span ranks, so it keeps plain state."""
+    if fmt == "none" or math.prod(shape) < MIN_QUANT or not get_state_format(fmt).row_shardable:
+        return None
+    return row_aligned_block_size(shape, get_state_format(fmt).default_block_size)
+
+
+def reference_optimizer(model, fused=False, cls=AdamW8bit, groups=None, **kw):
+    """Single-process ``cls`` (AdamW8bit) with, for each parameter, the state layout it takes when sharded (without
+    sharding, fc2.weight would take blocks of 256 and fc3.weight quantized state): a group per parameter, with its
+    block size or plain state, in the order of ``groups`` (the sharded optimizer's, by parameter name, with their
+    options; default: one group of every parameter), so that each parameter keeps its position (stochastic
+    rounding hashes it)."""
+    fmt = kw.pop("state_format", "dtq8")  # the default of every cls here
+    groups = groups or [{"params": [name for name, _ in model.named_parameters()]}]
+    per_param = []
+    for group in groups:
+        for name in group["params"]:
+            p = model.get_parameter(name)
+            block_size = sharded_block_size(p.shape, fmt)
+            layout = {"state_format": fmt, "block_size": block_size} if block_size else {"state_format": "none"}
+            per_param.append(dict(group, params=[p], **layout))
+    return cls(per_param, lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
+
+
+def shard_rows(p) -> slice:
+    """The rows of ``p``'s global dim 0 that this rank's shard holds: FSDP2's chunks (:func:`rows_of`) along each
+    ``Shard(0)`` mesh dimension in turn (one for FSDP2, the second of HSDP's two)."""
+    from torch.distributed.tensor import Shard
+
+    mesh, rows = p.device_mesh, slice(0, p.shape[0])
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            chunk = rows_of(dist.get_rank(mesh.get_group(dim)), mesh.size(dim), rows.stop - rows.start)
+            rows = slice(rows.start + chunk.start, rows.start + chunk.stop)
+    return rows
+
+
+def as_dtensor(local, mesh, placements, shape, stride):
+    """``local`` (a shard of a tensor of global ``shape``) as a DTensor, where it is: as FSDP2 makes its sharded
+    parameters and gradients (``DTensor.from_local`` would move it to the mesh's device)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(torch.Size(shape), tuple(stride), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, tuple(placements), tensor_meta=meta), requires_grad=False)
+
+
+def dtensor_like(p, local):
+    """``local`` as a DTensor laid out like ``p`` (:func:`as_dtensor`)."""
+    return as_dtensor(local, p.device_mesh, p.placements, p.shape, p.stride())
 
 
 def set_grads(model, step):
-    """Each rank's rows of the same whole gradients (the model's parameters are sharded along dim 0, or not)."""
+    """Each rank's rows of the same whole gradients (the model's parameters are sharded along dim 0, or not),
+    taken by hand: no communication (the fake process group has none)."""
     from torch.distributed.tensor import DTensor
 
     for name, g in grads(model, step).items():
         p = model.get_parameter(name)
-        if isinstance(p, DTensor):
-            # rows taken by hand: no communication (the fake process group has none), and nothing cached per
-            # mesh (meshes of simulated ranks compare equal)
-            rows = rows_of(dist.get_rank(p.device_mesh.get_group()), p.device_mesh.size(), len(g))
-            g = DTensor.from_local(g[rows].contiguous(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        p.grad = g
+        p.grad = dtensor_like(p, g[shard_rows(p)].contiguous()) if isinstance(p, DTensor) else g
+
+
+def backward_to(model, step):
+    """A backward through FSDP2 whose reduced gradients are exactly :func:`grads`: rank 0's loss has
+    ``world * grads`` as its gradient, the other ranks' zero, and FSDP2 averages them (sums with zeros, and a
+    division by a power of two: exact)."""
+    scale = dist.get_world_size() if dist.get_rank() == 0 else 0
+    device = next(model.parameters()).device_mesh.device_type  # where FSDP2 computes (host shards on GPUs too)
+    model({name: (g * scale).to(device) for name, g in grads(model, step).items()}).backward()
 
 
 def snapshot(model, opt):
@@ -141,7 +204,7 @@ def snapshot(model, opt):
     for name, p in model.named_parameters():
         state = opt.state[p]
         out[name] = whole(p)
-        for key in ("exp_avg", "exp_avg_sq"):
+        for key in sorted(set(state) - {"step"}):
             out[f"{name}.{key}"] = whole(state[key])
         out[f"{name}.step"] = state["step"].clone()
     return out
@@ -188,22 +251,28 @@ def simulated_rank(rank, world):
 
 
 # ---- 2-rank jobs -------------------------------------------------------------------------------------------
+# what the ranks import, imported once by the fork server (see spawn)
+PRELOAD = ["torchao_optim.testing", "torch.distributed.checkpoint", "torch.distributed.fsdp", "expecttest"]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, job, out):
+def _entry(rank, world, port, job, out, args, timeout, backend):
+    if "cuda" in backend:
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=TIMEOUT),
+        timeout=datetime.timedelta(seconds=timeout),
     )
     try:
-        result = job(out)
+        result = job(out, *args)
         if rank == 0:
             torch.save(result, os.path.join(out, f"{job.__name__}.pt"))
         dist.barrier()
@@ -211,29 +280,37 @@ def _entry(rank, world, port, job, out):
         dist.destroy_process_group()
 
 
-def spawn(job, world, out):
-    """Run ``job(out)`` on ``world`` gloo ranks and return what rank 0 returned."""
+def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
+    """Run ``job(out, *args)`` on ``world`` ranks (a process group of ``backend``) and return what rank 0
+    returned; fail after ``timeout`` seconds."""
     # Not fork: a child forked from a process that has run torch ops can hang (OpenMP's thread pool). A fork
-    # server that imports this module once, before any op, then forks the ranks: one import instead of two.
+    # server that imports torch and the packages the jobs use once, before any op, then forks the ranks, which
+    # import only this module (on 2 cores, 4 ranks importing torch at once took 20 s). This module too where the
+    # fork server finds it: Python 3.11's does not take the parent's sys.path, where pytest put this directory.
     method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
     if method == "forkserver":
-        multiprocessing.set_forkserver_preload([__name__])
+        multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
     ctx = mp.start_processes(
-        _entry, args=(world, _free_port(), job, out), nprocs=world, join=False, start_method=method
+        _entry,
+        args=(world, _free_port(), job, out, args, timeout, backend),
+        nprocs=world,
+        join=False,
+        start_method=method,
     )
-    deadline = time.monotonic() + TIMEOUT
+    deadline = time.monotonic() + timeout
     while not ctx.join(timeout=2):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            raise TimeoutError(f"{job.__name__} on {world} ranks did not finish within {TIMEOUT} s")
+            raise TimeoutError(f"{job.__name__} on {world} ranks did not finish within {timeout} s")
     return torch.load(os.path.join(out, f"{job.__name__}.pt"), weights_only=True)
 
 
-def two_ranks(out):
+def two_ranks(out, cases=()):
     """On 2 gloo ranks: FSDP2 on the gradients of :func:`grads` for 3 steps, a DCP checkpoint, 3 more steps;
     the checkpoint resumed on 2 ranks, and on 1 (rank 0 alone, on a mesh and a checkpoint group of its own);
-    training on each rank's half of a global batch with FSDP2 and with DDP."""
+    training on each rank's half of a global batch with FSDP2 and with DDP; then each of ``cases``
+    (:func:`run_cases`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
@@ -290,7 +367,211 @@ def two_ranks(out):
         torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
         assert all(p.grad is None for p in model.parameters())
     result["train_fsdp_in_backward"] = snapshot(model, opt)
+    result["cases"] = run_cases(cases)
     return result
+
+
+# ---- cases: one optimizer, format and feature, sharded, against single-process training -------------------
+OPTIMIZERS = {
+    "AdamW": (AdamW, {}),
+    "SGD8bit": (SGD8bit, {"momentum": 0.9}),
+    "Lion8bit": (Lion8bit, {}),
+    "Muon8bit": (Muon8bit, {}),
+}
+FORMATS = ("none", "dtq8", "4bit", "fp8", "4bit_rank1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """Training :class:`Net` sharded, on the gradients of :func:`grads`: after ``STEPS`` steps its whole parameters
+    and states must be bit for bit those of single-process training (:func:`case_reference`)."""
+
+    opt: str = "AdamW"  # a key of OPTIMIZERS
+    fmt: str = "dtq8"  # state_format
+    mesh: str = (
+        "fsdp"  # "fsdp": fully_shard over every rank (Shard(0)); "hsdp": a 2 x (world / 2) mesh, replicate x shard
+    )
+    offload: bool = False  # fully_shard(offload_policy=CPUOffloadPolicy())
+    executor: str = "fused"  # "fused": fused=None, the fused C step; "eager": fused=False, per parameter
+    # "set": each rank's rows of the gradients set by hand (set_grads); "backward": reduced by FSDP2 in backward
+    # (backward_to), then step(); "in_backward": the same backward, with step_in_backward
+    grads: str = "set"
+    bf16: bool = False  # bf16 parameters, with bf16_stochastic_round=True
+
+    def __str__(self):
+        features = [self.mesh, self.executor, self.grads] + ["offload"] * self.offload + ["bf16"] * self.bf16
+        return "-".join([self.opt, self.fmt, *features])
+
+
+def case_groups(case):
+    """The optimizer's parameter groups, by parameter name. Muon8bit: its matrices in a group with
+    ``use_muon=False`` (sharded, Muon refuses them: the AdamW fallback), its 1-D parameters in a group of their
+    own (the AdamW fallback, as on one process)."""
+    names = [name for name, _ in Net().named_parameters()]
+    if case.opt != "Muon8bit":
+        return [{"params": names}]
+    return [
+        {"params": [n for n in names if n.endswith("weight")], "use_muon": False},
+        {"params": [n for n in names if n.endswith("bias")]},
+    ]
+
+
+def case_options(case):
+    cls, options = OPTIMIZERS[case.opt]
+    fused = None if case.executor == "fused" else False
+    return cls, fused, dict(options, state_format=case.fmt, bf16_stochastic_round=case.bf16)
+
+
+def case_model(case, mesh=None):
+    """:class:`Net` (in bf16 for ``case.bf16``), sharded on ``mesh`` (default: every rank) as ``case`` says."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    # pinned host memory where a GPU copies gradients into it (the policy's default)
+    pin = mesh is not None and mesh.device_type == "cuda"
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if case.offload else {}
+    return sharded(model, mesh=mesh, **policy)
+
+
+def case_optimizer(model, case):
+    cls, fused, options = case_options(case)
+    groups = [dict(g, params=[model.get_parameter(n) for n in g["params"]]) for g in case_groups(case)]
+    opt = cls(groups, lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **options)
+    if case.grads == "in_backward":
+        step_in_backward(model, opt)
+    return opt
+
+
+def case_train(model, opt, case, steps):
+    for step in steps:
+        if case.grads == "set":
+            set_grads(model, step)
+        else:
+            backward_to(model, step)
+        if case.grads != "in_backward":
+            opt.step()
+            opt.zero_grad()
+
+
+def case_snapshot(model, opt):
+    """:func:`snapshot`, with how the steps ran: ``explain()`` and how many parameters the fused plans stepped
+    and left to the per-parameter path (the plans of step() and those of each parameter stepped in backward);
+    and the states not laid out as their parameters (mesh, placements, global shape)."""
+    caches = list(opt._plans.values()) + [cache for _, cache in (opt._in_backward or {}).values()]
+    fused = sum(len(plan.params) for cache in caches for plan in cache.get("plans", ()))
+    rest = sum(len(cache.get("rest", ())) for cache in caches)
+    misplaced = [
+        f"{name}.{key}: {tuple(value.placements)}"
+        for name, p in model.named_parameters()
+        for key, value in opt.state[p].items()
+        if key != "step"
+        and (value.device_mesh, value.placements, value.shape) != (p.device_mesh, p.placements, p.shape)
+    ]
+    return dict(snapshot(model, opt), explain=opt.explain(), plans=(fused, rest), misplaced=misplaced)
+
+
+def run_cases(cases, steps=STEPS, device="cpu") -> list:
+    """Each of ``cases`` on every rank (HSDP on a 2 x (world / 2) mesh), on meshes of ``device``:
+    :func:`case_snapshot` after ``steps``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    meshes = {"fsdp": init_device_mesh(device, (world,)) if device != "cpu" else None}
+    if any(case.mesh == "hsdp" for case in cases):
+        meshes["hsdp"] = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    results = []
+    for case in cases:
+        model = case_model(case, meshes[case.mesh])
+        opt = case_optimizer(model, case)
+        case_train(model, opt, case, range(steps))
+        results.append(case_snapshot(model, opt))
+    return results
+
+
+def resharded(case, out, groups) -> dict:
+    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again, ``STEPS`` steps each, each time resuming the
+    DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each stage."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+
+    result, ckpt = {}, None
+    for stage, world in enumerate((4, 2, 1, 4)):
+        saved = os.path.join(out, f"{case}-{stage}")
+        if dist.get_rank() < world:
+            group = groups[world]
+            model = case_model(case, DeviceMesh.from_group(group, "cpu") if group is not None else None)
+            opt = case_optimizer(model, case)
+            if ckpt is not None:
+                msd, osd = get_state_dict(model, opt)
+                dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, process_group=group)
+                set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+                result[f"loaded_{stage}"] = case_snapshot(model, opt)
+            case_train(model, opt, case, range(stage * STEPS, (stage + 1) * STEPS))
+            result[f"stage_{stage}"] = case_snapshot(model, opt)
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=saved, process_group=group)
+        ckpt = saved
+        dist.barrier()
+    return result
+
+
+def cases_job(out, cases, reshard=(), device="cpu"):
+    """Each of ``cases`` (:func:`run_cases`, on meshes of ``device``), then each of ``reshard`` resharded
+    4 -> 2 -> 1 -> 4 (:func:`resharded`, on 4 ranks)."""
+    result = {"cases": run_cases(cases, device=device)}
+    if reshard:
+        if dist.get_world_size() != 4:
+            raise ValueError(f"resharding 4 -> 2 -> 1 -> 4 runs on 4 ranks, not {dist.get_world_size()}")
+        groups = {4: None, 2: dist.new_group([0, 1]), 1: dist.new_group([0])}  # every rank creates each
+        result["reshard"] = [resharded(case, out, groups) for case in reshard]
+    return result
+
+
+def case_reference(case, stages=1) -> list:
+    """Single-process training for ``case``: its snapshot after each ``STEPS`` steps, ``stages`` times."""
+    cls, fused, options = case_options(case)
+    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    opt = reference_optimizer(model, fused, cls, groups=case_groups(case), **options)
+    snaps = []
+    for stage in range(stages):
+        for step in range(stage * STEPS, (stage + 1) * STEPS):
+            set_grads(model, step)
+            opt.step()
+        snaps.append(snapshot(model, opt))
+    return snaps
+
+
+def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
+    """What differs between a sharded run's :func:`case_snapshot` and single-process training's snapshot: every
+    tensor, bit for bit; and, where it ``stepped``, how: every parameter on the fused C step (``explain()`` says so
+    and the plans stepped them all) or, for ``executor="eager"``, on the per-parameter path."""
+    what = f"{case}{what}"
+    problems = []
+    if sorted(k for k in ours if k not in ("explain", "plans", "misplaced")) != sorted(ref):
+        problems.append(f"{what}: keys {sorted(ours)} != {sorted(ref)}")
+    for key in ref:
+        if key in ours:
+            problems += same_tensor_problems(ours[key], ref[key], f"{what}: {key}")
+    if ours["misplaced"]:
+        problems.append(f"{what}: states not laid out as their parameters: {ours['misplaced']}")
+    routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
+    n_params = sum(1 for _ in Net().parameters())
+    if not stepped:
+        pass
+    elif case.executor == "fused":
+        if not routes or not all(line.startswith("  fused C step:") for line in routes):
+            problems.append(f"{what}: not every parameter takes the fused C step:\n{ours['explain']}")
+        if ours["plans"] != (n_params, 0):
+            problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params}, 0)")
+    elif not all("per-parameter path, eager" in line for line in routes):
+        problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
+    # the reference's layouts come from the block rule: a format whose scales cover one block each is quantized
+    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit", "Muon8bit") else "momentum_buffer")
+    quantized = isinstance(ours.get(key), QuantizedState)
+    if quantized != (case.fmt not in ("none", "4bit_rank1")):
+        problems.append(f"{what}: {key} is a {type(ours.get(key)).__name__}")
+    return problems
 
 
 # ---- the tests --------------------------------------------------------------------------------------------
@@ -422,16 +703,173 @@ class TestShardedStep(expecttest.TestCase):
         # rows; the rest in plain state (odd rows, or below min_quant_size)
         self.check_ranks(2, lambda: Net((64, 23, 64, 4)), steps=2, fused=True)
 
+    def test_cpu_offload_policy_on_a_gpu_mesh(self):
+        # What CPUOffloadPolicy makes on GPUs: parameters and gradients whose shards are in host memory, on a mesh
+        # of device type "cuda" (built as FSDP2 builds them: fully_shard on a CUDA mesh needs a GPU). The states
+        # stay in host memory with their parameters (DTensor.from_local would move them to the mesh's device),
+        # every parameter takes the fused C step, and each rank's parameters and states are its rows of
+        # single-process fused CPU training's, bit for bit.
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Shard
+
+        ref_model = Net()
+        ref_opt = reference_optimizer(ref_model, fused=None)
+        for step in range(STEPS):
+            set_grads(ref_model, step)
+            ref_opt.step()
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                mesh = DeviceMesh.from_group(dist.group.WORLD, "cuda")
+                model = Net()
+                for module in (model.fc1, model.fc2, model.fc3):
+                    for name, p in list(module.named_parameters()):
+                        shard = p.detach()[rows_of(rank, 2, len(p))].clone()
+                        dt = as_dtensor(shard, mesh, (Shard(0),), p.shape, p.stride())
+                        setattr(module, name, torch.nn.Parameter(dt))
+                opt = optimizer(model, fused=None)
+                for step in range(STEPS):
+                    set_grads(model, step)
+                    opt.step()
+                routes = [line for line in opt.explain().splitlines() if line.startswith("  ")]
+                self.assertTrue(all(line.startswith("  fused C step:") for line in routes), opt.explain())
+                self.assertEqual(opt._plans[id(opt.param_groups[0])]["rest"], [])
+                for name, p in model.named_parameters():
+                    rows = rows_of(rank, 2, p.shape[0])
+                    assertShardOf(self, p.to_local(), ref_model.get_parameter(name), rows, f"rank {rank} {name}")
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state, what = opt.state[p][key], f"rank {rank} {name} {key}"
+                        self.assertEqual((state.device_mesh, state.to_local().device.type), (mesh, "cpu"), what)
+                        assertShardOf(
+                            self, state.to_local(), ref_opt.state[ref_model.get_parameter(name)][key], rows, what
+                        )
+
+    def test_tensor_parallel_keeps_plain_state(self):
+        # Tensor parallelism's row-wise layers: weights sharded along dim 1 (Shard(1)), biases replicated. A
+        # weight's rows span ranks, so no block rule applies: plain fp32 state whatever the format, and each rank's
+        # columns are those of single-process training with plain state, bit for bit (the update is elementwise),
+        # on the fused C step. Muon8bit refuses such a matrix as it refuses Shard(0).
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        def columns(p, rank):
+            return (slice(None), rows_of(rank, 2, p.shape[1])) if p.dim() == 2 else (slice(None),)
+
+        refs = {}
+        for name in ("AdamW", "SGD8bit", "Lion8bit"):
+            cls, options = OPTIMIZERS[name]
+            ref_model = Net()
+            ref_opt = optimizer(ref_model, fused=None, cls=cls, state_format="none", **options)
+            for step in range(STEPS):
+                set_grads(ref_model, step)
+                ref_opt.step()
+            refs[name] = ref_model, ref_opt
+        # every format with AdamW, and the other optimizers' 8-bit state
+        for name, fmt in [("AdamW", fmt) for fmt in FORMATS] + [("SGD8bit", "dtq8"), ("Lion8bit", "dtq8")]:
+            cls, options = OPTIMIZERS[name]
+            ref_model, ref_opt = refs[name]
+            for rank in range(2):
+                what = f"{name} {fmt} rank {rank}"
+                with simulated_rank(rank, 2):
+                    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+                    model = Net()
+                    for pname, p in list(model.named_parameters()):
+                        placements = (Shard(1),) if p.dim() == 2 else (Replicate(),)
+                        local = p.detach()[columns(p, rank)].clone()
+                        module, attr = pname.rsplit(".", 1)
+                        dt = as_dtensor(local, mesh, placements, p.shape, p.stride())
+                        setattr(model.get_submodule(module), attr, torch.nn.Parameter(dt))
+                    opt = optimizer(model, fused=None, cls=cls, state_format=fmt, **options)
+                    for step in range(STEPS):
+                        for pname, g in grads(model, step).items():
+                            p = model.get_parameter(pname)
+                            p.grad = dtensor_like(p, g[columns(p, rank)].contiguous())
+                        opt.step()
+                    routes = [line for line in opt.explain().splitlines() if line.startswith("  ")]
+                    self.assertTrue(all(line.startswith("  fused C step:") for line in routes), opt.explain())
+                    for pname, p in model.named_parameters():
+                        ref_p = ref_model.get_parameter(pname)
+                        where = columns(p, rank)
+                        assert_same_tensor(self, p.to_local(), ref_p.detach()[where], f"{what} {pname}")
+                        for key, ref_state in ref_opt.state[ref_p].items():
+                            if key != "step":
+                                state = opt.state[p][key].to_local()
+                                assert_same_tensor(self, state, ref_state[where], f"{what} {pname} {key}")
+        with simulated_rank(0, 2):
+            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+            weight = torch.zeros(96, 256)
+            p = torch.nn.Parameter(
+                as_dtensor(weight[:, :128].clone(), mesh, (Shard(1),), weight.shape, weight.stride())
+            )
+            p.grad = dtensor_like(p, torch.ones(96, 128))
+            with self.assertRaisesRegex(NotImplementedError, re.escape("(96, 256) is sharded ((Shard(dim=1),))")):
+                Muon8bit([p], lr=LR, compile=False).step()
+
+    def test_muon_refuses_a_sharded_matrix(self):
+        # Newton-Schulz needs the whole matrix: refused, naming the parameter and what to do instead (the AdamW
+        # fallback on sharded matrices is tested in TestTwoRanks and TestFourRanks)
+        with simulated_rank(0, 2):
+            model = sharded(Net())
+            opt = Muon8bit(model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False)
+            set_grads(model, 0)
+            with self.assertRaises(NotImplementedError) as caught:
+                opt.step()
+        self.assertExpectedInline(
+            textwrap.fill(str(caught.exception), 100),
+            """\
+Muon8bit: the parameter of shape (96, 256) is sharded ((Shard(dim=0),)); orthogonalizing its update
+needs the whole matrix, which a sharded step does not gather. Give it to the AdamW fallback
+(use_muon=False in its param group) or keep it unsharded""",
+        )
+
+
+class CaseChecks:
+    """Checks of :class:`Case` runs: ``CASES`` (name -> case), run by the class's job, results in ``result``."""
+
+    CASES: dict = {}
+
+    def check_case(self, name):
+        case = self.CASES[name]
+        ours = self.result["cases"][list(self.CASES).index(name)]
+        problems = case_problems(case, ours, case_reference(case)[0])
+        if problems:
+            self.fail("\n".join(problems))
+
 
 @unittest.skipUnless(DISTRIBUTED, "torch.distributed with the gloo backend is not available")
-class TestTwoRanks(expecttest.TestCase):
+class TestTwoRanks(CaseChecks, expecttest.TestCase):
     """Real ranks: one 2-rank gloo job (see :func:`two_ranks`), compared here."""
+
+    # every optimizer and format, and each feature, once on 2 ranks (all of them: test_sweep, --runslow)
+    CASES = {
+        "sgd_4bit_offload": Case("SGD8bit", "4bit", offload=True),
+        "lion_fp8_in_backward": Case("Lion8bit", "fp8", grads="in_backward"),
+        "muon_rank1_backward": Case("Muon8bit", "4bit_rank1", grads="backward"),
+        "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
+        "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
+    }
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(two_ranks, 2, out)
+            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()))
         cls.ref = reference(2 * STEPS)
+
+    def test_sgd8bit_4bit_cpu_offload_policy_fused_c_step(self):
+        self.check_case("sgd_4bit_offload")
+
+    def test_lion8bit_fp8_step_in_backward(self):
+        # through FSDP2's reduce-scatter and its post-accumulate-grad hooks, bit for bit single-process training
+        self.check_case("lion_fp8_in_backward")
+
+    def test_muon8bit_adamw_fallback_and_rank1_kept_plain(self):
+        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters; "4bit_rank1" keeps
+        # plain fp32 state for sharded parameters (its column scales would span ranks)
+        self.check_case("muon_rank1_backward")
+
+    def test_bf16_stochastic_round(self):
+        # each element rounds with the random bits of its index in the whole parameter: as on one process
+        self.check_case("adamw_dtq8_bf16")
+        self.check_case("adamw_none_bf16_eager")
 
     def assertSameSnapshot(self, ours, ref, what):
         self.assertEqual(sorted(ours), sorted(ref))
@@ -482,6 +920,164 @@ class TestTwoRanks(expecttest.TestCase):
                 self.assertLessEqual(err.max().item(), 0.01, where)
                 self.assertLessEqual(err.mean().item(), 1e-4, where)
                 self.assertIs(type(ours[f"{name}.exp_avg"]), type(opt.state[p]["exp_avg"]), where)
+
+
+def reshard_problems(case, result) -> list[str]:
+    """:func:`resharded`'s snapshots against single-process training: after each load, those of the steps before,
+    and after each stage, those of its steps."""
+    refs = case_reference(case, 4)
+    problems = []
+    for stage, world in enumerate((4, 2, 1, 4)):
+        if stage:
+            problems += case_problems(case, result[f"loaded_{stage}"], refs[stage - 1], f": loaded on {world}", False)
+        problems += case_problems(case, result[f"stage_{stage}"], refs[stage], f": trained on {world}")
+    return problems
+
+
+@unittest.skipUnless(DISTRIBUTED, "torch.distributed with the gloo backend is not available")
+class TestFourRanks(CaseChecks, expecttest.TestCase):
+    """Real ranks: one 4-rank gloo job (:func:`cases_job`): a :class:`Case` of each optimizer, format and feature,
+    HSDP on a 2 x 2 mesh, and a DCP checkpoint resharded 4 -> 2 -> 1 -> 4; each bit for bit single-process
+    training (all of them: test_sweep, --runslow)."""
+
+    CASES = {
+        "hsdp": Case("AdamW", "dtq8", mesh="hsdp"),
+        "offload_4bit": Case("AdamW", "4bit", offload=True),
+        "sgd_fp8_in_backward": Case("SGD8bit", "fp8", grads="in_backward"),
+        "lion_rank1_bf16_eager": Case("Lion8bit", "4bit_rank1", bf16=True, executor="eager", grads="backward"),
+        "muon_hsdp_offload": Case("Muon8bit", "dtq8", mesh="hsdp", offload=True),
+        "hsdp_offload_bf16_in_backward": Case(
+            "AdamW", "none", mesh="hsdp", offload=True, bf16=True, grads="in_backward"
+        ),
+    }
+    RESHARD = Case("AdamW", "dtq8")
+
+    @classmethod
+    def setUpClass(cls):
+        with tempfile.TemporaryDirectory() as out:
+            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD])
+
+    def test_hsdp(self):
+        # fully_shard on a (replicate 2, shard 2) mesh: states (Replicate(), Shard(0)), blocks from the global shape
+        self.check_case("hsdp")
+
+    def test_cpu_offload_policy_fused_c_step(self):
+        self.check_case("offload_4bit")
+
+    def test_sgd8bit_fp8_step_in_backward(self):
+        self.check_case("sgd_fp8_in_backward")
+
+    def test_lion8bit_rank1_kept_plain_bf16_stochastic_round(self):
+        self.check_case("lion_rank1_bf16_eager")
+
+    def test_muon8bit_adamw_fallback_hsdp_cpu_offload(self):
+        self.check_case("muon_hsdp_offload")
+
+    def test_hsdp_cpu_offload_bf16_step_in_backward(self):
+        self.check_case("hsdp_offload_bf16_in_backward")
+
+    def test_dcp_reshard_4_2_1_4(self):
+        problems = reshard_problems(self.RESHARD, self.result["reshard"][0])
+        if problems:
+            self.fail("\n".join(problems))
+
+
+@unittest.skipUnless(DISTRIBUTED and torch.cuda.is_available(), "needs a CUDA device (and gloo for host tensors)")
+class TestCudaMesh(CaseChecks, expecttest.TestCase):
+    """CPUOffloadPolicy on GPUs: fully_shard on a CUDA mesh (one rank per GPU, two at most; NCCL, and gloo for
+    what is in host memory) with the shards, their gradients and the states in host memory. The states stay
+    there, every parameter takes the fused C step, and training is bit for bit single-process fused CPU
+    training on the same gradients (reduced through FSDP2's reduce-scatter on the GPUs, in backward)."""
+
+    CASES = {
+        "adamw_backward": Case("AdamW", "dtq8", offload=True, grads="backward"),
+        "adamw_4bit_bf16_in_backward": Case("AdamW", "4bit", offload=True, bf16=True, grads="in_backward"),
+        "sgd_fp8": Case("SGD8bit", "fp8", offload=True),
+        "lion_backward": Case("Lion8bit", "dtq8", offload=True, grads="backward"),
+        "muon_backward": Case("Muon8bit", "dtq8", offload=True, grads="backward"),
+    }
+
+    @classmethod
+    def setUpClass(cls):
+        from torchao_optim.kernels.cpu import cpu_dtypes
+
+        if not cpu_dtypes():
+            raise unittest.SkipTest("the fused CPU step could not be built here (python -m torchao_optim says why)")
+        world = min(2, torch.cuda.device_count())
+        with tempfile.TemporaryDirectory() as out:
+            cases = list(cls.CASES.values())
+            cls.result = spawn(cases_job, world, out, cases, (), "cuda", backend="cpu:gloo,cuda:nccl")
+
+    def test_adamw_dtq8(self):
+        self.check_case("adamw_backward")
+
+    def test_adamw_4bit_bf16_stochastic_round_step_in_backward(self):
+        self.check_case("adamw_4bit_bf16_in_backward")
+
+    def test_sgd8bit_and_lion8bit(self):
+        self.check_case("sgd_fp8")
+        self.check_case("lion_backward")
+
+    def test_muon8bit_adamw_fallback(self):
+        self.check_case("muon_backward")
+
+
+# ---- the whole cross product (--runslow) ------------------------------------------------------------------
+# each feature alone, and with HSDP and with CPUOffloadPolicy (HSDP on 4 ranks only)
+SWEEP_FEATURES = [
+    dict(mesh, **feature)
+    for mesh in ({}, {"mesh": "hsdp"}, {"offload": True})
+    for feature in ({}, {"executor": "eager"}, {"grads": "backward"}, {"grads": "in_backward"}, {"bf16": True})
+]
+SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU cores: 81 s on 2 ranks, 217 s on 4)
+
+
+def sweep_cases(world) -> list:
+    """Every optimizer x every format x each of SWEEP_FEATURES (HSDP on 4 ranks)."""
+    return [
+        Case(opt, fmt, **feature)
+        for opt in OPTIMIZERS
+        for fmt in FORMATS
+        for feature in SWEEP_FEATURES
+        if feature.get("mesh") != "hsdp" or world == 4
+    ]
+
+
+# every optimizer x every format, and each optimizer with bf16 stochastic rounding and with CPUOffloadPolicy
+RESHARD_SWEEP = (
+    [Case(opt, fmt) for opt in OPTIMIZERS for fmt in FORMATS]
+    + [Case(opt, "dtq8", bf16=True) for opt in OPTIMIZERS]
+    + [Case(opt, "dtq8", offload=True) for opt in OPTIMIZERS]
+)
+
+
+@functools.cache
+def sweep(world) -> dict:
+    """The sweep's job on ``world`` ranks, run once per test session."""
+    with tempfile.TemporaryDirectory() as out:
+        reshard = RESHARD_SWEEP if world == 4 else []
+        return spawn(cases_job, world, out, sweep_cases(world), reshard, timeout=SWEEP_TIMEOUT)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DISTRIBUTED, reason="torch.distributed with the gloo backend is not available")
+@pytest.mark.parametrize(
+    "world, case",
+    [(w, c) for w in (2, 4) for c in sweep_cases(w)],
+    ids=lambda x: str(x) if isinstance(x, Case) else f"{x}ranks",
+)
+def test_sweep(world, case):
+    ours = sweep(world)["cases"][sweep_cases(world).index(case)]
+    problems = case_problems(case, ours, case_reference(case)[0], f" on {world} ranks")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not DISTRIBUTED, reason="torch.distributed with the gloo backend is not available")
+@pytest.mark.parametrize("case", RESHARD_SWEEP, ids=str)
+def test_sweep_dcp_reshard(case):
+    problems = reshard_problems(case, sweep(4)["reshard"][RESHARD_SWEEP.index(case)])
+    assert not problems, "\n".join(problems)
 
 
 if __name__ == "__main__":

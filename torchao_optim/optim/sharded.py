@@ -77,12 +77,20 @@ def row_aligned_block_size(shape: Sequence[int], block_size: int) -> int | None:
 
 
 def like_param(p: Tensor, local_state: Tensor) -> Tensor:
-    """``local_state`` (the state of ``p``'s local shard) as a DTensor laid out like ``p``."""
+    """``local_state`` (the state of ``p``'s local shard) as a DTensor laid out like ``p``, on the device of
+    ``local_state``."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(
-        local_state, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-    )
+    mesh = p.device_mesh
+    if local_state.is_meta or local_state.device.type == mesh.device_type:
+        return DTensor.from_local(local_state, mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+    # A shard held off its mesh's device: FSDP2's CPUOffloadPolicy keeps a GPU mesh's parameters in host memory.
+    # from_local would move the state to the mesh's device, away from its parameter (and from the fused C step);
+    # it is wrapped where it is instead, as FSDP2 wraps those parameters.
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    meta = TensorMeta(p.shape, p.stride(), local_state.dtype)
+    return DTensor(local_state, DTensorSpec(mesh, tuple(p.placements), tensor_meta=meta), requires_grad=False)
 
 
 def local_rows(p: Tensor) -> tuple:
