@@ -132,10 +132,10 @@ class OptimizerInfo:
     - ``"lr"``: ``(mean, max)`` of ``|p - p_ref|`` over each parameter with quantized state, as a fraction of
       ``sum(lr)`` over the steps (how far an Adam step can move an element, about lr), within the case's
       ``parity_tolerance``; each parameter with plain fp32 state within ``FP32_REL`` of its scale.
-    - ``"adamw"``: ``mean |p - p_ref| / mean |p_ref - p_0|`` (how far from its reference the optimizer went, per
-      unit of how far the reference went) no larger than AdamW's in the same format against
-      ``torch.optim.AdamW`` on the same problem, times the case's ``parity_slack``; with fp32 state, at most
-      ``fp32_bound(steps)``.
+    - ``"adamw"``: ``sum |p - p_ref| / sum |p_ref - p_0|`` over the parameters of ``min_quant_size`` elements or
+      more (how far from its reference the optimizer went, per unit of how far the reference went) no larger than
+      AdamW's in the same format against ``torch.optim.AdamW`` on the same problem, times the case's
+      ``parity_slack``; with fp32 state, at most ``fp32_bound(steps)``.
 
     ``fused_params(params)`` are the parameters a fused executor plans (the others take the compiled path);
     ``mixes_elements(p)``: whether an element's update depends on other elements of ``p`` (Muon's
@@ -167,6 +167,10 @@ class OptimizerInfo:
         for executor in self.executors:
             if executor not in EXECUTORS:
                 raise ValueError(f"{self.name}: executor {executor!r} is not one of {EXECUTORS}")
+        for sample in self.samples:
+            for executor in sample.executors or ():
+                if executor not in self.executors:
+                    raise ValueError(f"{self.name}: sample {sample.name!r} names executor {executor!r}, not its own")
 
 
 def _ours(cls):
@@ -273,6 +277,8 @@ optim_db: list[OptimizerInfo] = [
         # fp32 state and dtq8 check the fallback's wiring.
         cpu_formats=frozenset({"none", "dtq8"}),
     ),
+    # Stock optimizers keep their own step (and torch.optim's handling of a non-finite gradient); their states are
+    # quantized once per step. "none" is no format of quantize_optimizer_state (it would be the stock optimizer).
     OptimizerInfo(
         name="stock_adamw",
         make=_stock(torch.optim.AdamW),
