@@ -64,33 +64,44 @@ KNOWN_FAILURES = {
 def compiled_on_cpu(row: str, fmt: str) -> bool:
     """Without CUDA (CI), the compiled executor runs for fp32 state and dtq8, and for AdamW and Adam also for a
     made-up codebook format (a format written after the library compiles); the other formats run the same update
-    eagerly (conformance_cases says why), and so does Adam with amsgrad, a compiled configuration of its own.
-    Formats no fused executor covers run compiled (conformance_cases). With CUDA, every case runs compiled."""
-    if row == "adam-amsgrad":
+    eagerly (conformance_cases says why). So do Adam with amsgrad and the stock optimizers' requantization, each a
+    compiled configuration of its own (test_quantize_optimizer_state.py compiles the latter). Formats no fused
+    executor covers run compiled (conformance_cases). With CUDA, every case runs compiled."""
+    if row == "adam-amsgrad" or row.startswith("stock_"):
         return False
     return fmt in ("none", "dtq8") or (row in ("adamw", "adam-maximize") and fmt == "test_cubic8")
 
 
-# Without CUDA the fused executor runs in Triton's interpreter, about 0.1-0.25 s a step: there CI runs it for
-# AdamW (the two-state kernel) and SGD (the one-state kernel) in every format, and for the other optimizers'
-# rules and flags in fp32 state and dtq8 (a format's codes and scales are the same in every rule); the rest
-# runs with --runslow. With CUDA every fused case runs.
+# Without CUDA the fused executor runs in Triton's interpreter, about 0.1-0.25 s a step. There CI runs the fused
+# cases of AdamW (the two-state kernel) and SGD (the one-state kernel) in every format, and those of the other
+# optimizers in fp32 state and dtq8 (a format's codes and scales are read and written alike by every rule of a
+# kernel); the lr schedule, which reaches the kernels as per-step coefficients computed alike for every format, in
+# fp32 state and dtq8 only. The rest runs with --runslow. With CUDA every fused case runs.
 FUSED_IN_CI = ("adamw", "sgd")
 
 
-def _param(case: ConformanceCase):
+def _slow(test: str, case: ConformanceCase) -> bool:
+    """Whether ``test`` of ``case`` is left to --runslow: a fused case in Triton's interpreter beyond CI's sample."""
+    if case.executor != "fused" or case.device != "cpu" or case.format_name in ("none", "dtq8"):
+        return False
+    return test == "test_lr_schedule_without_recompiles" or case.row not in FUSED_IN_CI
+
+
+def _param(test: str, case: ConformanceCase):
     marks = []
     if case.executor == "cpu" and not cpu_kernels_available():
         marks.append(pytest.mark.skip(reason="the fused CPU step could not be built (no C compiler)"))
-    if case.executor == "fused":
-        if not fused_available(case.device):
-            reason = (
-                f"the fused executor cannot run on {case.device}: it needs Triton and a CUDA device, or Triton's "
-                "interpreter (TRITON_INTERPRET=1) on the CPU"
-            )
-            marks.append(pytest.mark.skip(reason=reason))
-        elif case.device == "cpu" and case.row not in FUSED_IN_CI and case.format_name not in ("none", "dtq8"):
-            marks.append(pytest.mark.slow)
+    if case.executor == "fused" and not fused_available(case.device):
+        reason = (
+            f"the fused executor cannot run on {case.device}: it needs Triton and a CUDA device, or Triton's "
+            "interpreter (TRITON_INTERPRET=1) on the CPU"
+        )
+        marks.append(pytest.mark.skip(reason=reason))
+    elif _slow(test, case):
+        marks.append(pytest.mark.slow)
+    reason = KNOWN_FAILURES.get((test, case.row, case.format_name))
+    if reason:
+        marks.append(pytest.mark.xfail(strict=True, reason=reason))
     return pytest.param(case, id=case.id, marks=marks)
 
 
@@ -104,14 +115,7 @@ CASES = conformance_cases(
 
 def conformance(test):
     """``test`` parametrized by every case, with its marks."""
-    params = []
-    for case in CASES:
-        param = _param(case)
-        reason = KNOWN_FAILURES.get((test.__name__, case.row, case.format_name))
-        if reason:
-            param = pytest.param(case, id=param.id, marks=[*param.marks, pytest.mark.xfail(strict=True, reason=reason)])
-        params.append(param)
-    return pytest.mark.parametrize("case", params)(test)
+    return pytest.mark.parametrize("case", [_param(test.__name__, case) for case in CASES])(test)
 
 
 @pytest.fixture(autouse=True)
