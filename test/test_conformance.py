@@ -3,7 +3,8 @@ plain fp32 state, "none"), on every executor it has, passes one set of tests, ea
 is listed by hand: a newly registered format (made_up_formats.py's, a contributor's) is crossed with every
 optimizer. Test ids read ``optimizer[-sample]-format-executor`` (``adamw-dtq8-cpu``,
 ``sgd-nesterov_maximize-fp8-fused``), so ``-k fp8`` selects a format's cases. Fused cases skip where the fused
-executor cannot run; without CUDA it runs in Triton's interpreter (conftest.py)."""
+executor cannot run; without CUDA it runs in Triton's interpreter (conftest.py), and a sample of them runs
+without --runslow (FUSED_IN_CI)."""
 
 import contextlib
 import warnings
