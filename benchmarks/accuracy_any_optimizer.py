@@ -23,6 +23,7 @@ try:
 except ImportError:  # not installed: use the checkout this script belongs to
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import torchao_optim
+from torchao_optim.testing import SpreadProblem
 
 SHAPES = ((256, 256), (512, 96), (4096,))
 OPTIMIZERS = {
@@ -36,17 +37,16 @@ OPTIMIZERS = {
 }
 
 
+# the tests' training problem: gradients whose magnitudes spread over e^4 within a block
+PROBLEM = SpreadProblem(SHAPES)
+
+
 def params():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return PROBLEM.params()
 
 
 def grads(step):
-    """``scale * (direction + 2 * noise)``, magnitudes spread over e^4 within a block (as the conformance case)."""
-    gen = torch.Generator().manual_seed(1)
-    fixed = [(torch.empty(s).uniform_(-3, 1, generator=gen).exp(), torch.randn(s, generator=gen)) for s in SHAPES]
-    gen.manual_seed(100 + step)
-    return [scale * (direction + 2 * torch.randn(scale.shape, generator=gen)) for scale, direction in fixed]
+    return PROBLEM.grads(step)
 
 
 def train(opt, ps, steps, per_op_format=None):

@@ -2,8 +2,8 @@
 
 They show that formats added one after another never break the suite: ten formats (these and the built-in
 ones) pass the shared cases in one process, with names up to 32 characters and blocks from 32 to 4096
-elements. Registered only there: every registered format also gets generated conformance classes, which would
-add minutes to every other test run.
+elements. Registered only there: every registered format is also crossed with every optimizer of the conformance
+table (test_conformance.py), which would add minutes to every other test run.
 """
 
 import torch

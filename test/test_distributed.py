@@ -63,7 +63,7 @@ from torchao_optim import (
 )
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.sharded import row_aligned_block_size
-from torchao_optim.testing import assert_same_tensor
+from torchao_optim.testing import SpreadProblem, assert_same_tensor
 from torchao_optim.testing.compare import same_tensor_problems
 
 TIMEOUT = 180  # seconds for the 2-rank job, startup included
@@ -97,16 +97,17 @@ class Net(torch.nn.Module):
         return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
 
 
+@functools.cache
+def _problem(shapes) -> SpreadProblem:
+    return SpreadProblem(shapes)
+
+
 def grads(model, step):
-    """name -> the global gradient at ``step``, in the parameter's dtype: magnitudes spread over e^4 within each
-    block, so that blockwise quantization matters."""
-    gen = torch.Generator().manual_seed(100 + step)
-    return {
-        name: (torch.empty(p.shape).uniform_(-3, 1, generator=gen).exp() * torch.randn(p.shape, generator=gen)).to(
-            p.dtype
-        )
-        for name, p in model.named_parameters()
-    }
+    """name -> the global gradient at ``step``, in the parameter's dtype: the shared problem's for the model's shapes,
+    magnitudes spread over e^4 within each block, so that blockwise quantization matters."""
+    named = list(model.named_parameters())
+    whole = _problem(tuple(tuple(p.shape) for _, p in named)).grads(step)
+    return {name: g.to(p.dtype) for (name, p), g in zip(named, whole)}
 
 
 def batch(step):

@@ -9,7 +9,7 @@ import torch
 
 import torchao_optim
 from torchao_optim import DTQ8bitTensor, QuantizedState, quantize_optimizer_state
-from torchao_optim.testing import save_load
+from torchao_optim.testing import SpreadProblem, save_load
 
 SHAPES = ((64, 96), (8192,), (50,))  # two quantized (whole blocks), one below min_quant_size
 STEPS = 5
@@ -25,16 +25,15 @@ STOCK = {
 UNSIGNED = {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"}
 
 
+PROBLEM = SpreadProblem(SHAPES)
+
+
 def params():
-    gen = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in SHAPES]
+    return PROBLEM.params()
 
 
 def grads(step):
-    gen = torch.Generator().manual_seed(1)
-    fixed = [(torch.empty(s).uniform_(-3, 1, generator=gen).exp(), torch.randn(s, generator=gen)) for s in SHAPES]
-    gen.manual_seed(100 + step)
-    return [scale * (direction + 2 * torch.randn(scale.shape, generator=gen)) for scale, direction in fixed]
+    return PROBLEM.grads(step)
 
 
 def train(opt, ps, steps, start=0):

@@ -42,7 +42,7 @@ def test_six_more_formats_pass_the_shared_cases_in_one_process():
     """Formats added one after another never break the suite: six more made-up formats (names up to 32
     characters, blocks of 32 to 4096 elements; test/six_made_up_formats.py) pass every shared case in one pytest
     process. In a process of its own: the registry keeps what is registered, and each registered format would
-    enroll in the generated conformance classes of the other test files."""
+    be crossed with every optimizer of the conformance table (test_conformance.py)."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(

@@ -1,13 +1,18 @@
-"""A shared test case that fails says, in one message, everything that failed: the format (and executor), every
-shape that failed, what was measured and the bound. Checked here by running the cases with bounds that cannot
-hold, on purpose."""
+"""A shared test case that fails says, in one message, everything that failed: the optimizer, format and executor,
+every shape that failed, what was measured and the bound. Checked here by running the cases with bounds that
+cannot hold, on purpose."""
 
 import itertools
 import re
 import unittest
 
+import pytest
+import test_conformance as conformance
+
 from torchao_optim import AdamW
-from torchao_optim.testing import OptimizerConformanceCase, StateFormatTestCase
+from torchao_optim.testing import ConformanceCase, StateFormatTestCase, optim_db
+
+ADAMW = next(info for info in optim_db if info.name == "adamw")
 
 
 def failure(case: unittest.TestCase) -> str:
@@ -19,29 +24,27 @@ def failure(case: unittest.TestCase) -> str:
 
 
 def test_parity_failure_names_every_shape_with_its_measure_and_bound():
-    class TightParity(OptimizerConformanceCase):  # defined here: not collected as a test
-        format_name, executor = "dtq8", "eager"
-        parity_tolerance = (1e-4, 1e-3)
-
-    message = failure(TightParity("test_adamw_matches_torch_adamw"))
-    assert "format 'dtq8', executor 'eager': 4 failed" in message
+    case = ConformanceCase(ADAMW, ADAMW.samples[0], "dtq8", "eager", parity_tolerance=(1e-4, 1e-3))
+    with pytest.raises(AssertionError) as failed:
+        conformance.test_matches_reference(case)
+    message = str(failed.value)
+    assert "adamw, format 'dtq8', executor 'eager': 4 failed" in message
     for shape in ("(4, 128)", "(3, 100)"):
         assert re.search(
-            rf"AdamW, shape {re.escape(shape)}: mean \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.0001", message
+            rf"parity, shape {re.escape(shape)}: mean \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.0001", message
         ), message
         assert re.search(
-            rf"AdamW, shape {re.escape(shape)}: max \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.001", message
+            rf"parity, shape {re.escape(shape)}: max \|p - p_ref\| / sum\(lr\) [0-9.e-]+, bound 0.001", message
         ), message
 
 
 def test_exact_resume_failure_names_every_shape_and_difference():
-    class ResumedWithOtherBlocks(OptimizerConformanceCase):
-        format_name, executor = "dtq8", "eager"
+    class ResumedWithOtherBlocks(ConformanceCase):
         calls = itertools.count()
 
-        def optimizer(self, params, **kw):
+        def optimizer(self, params, lr=None):
             if next(self.calls) % 2 == 0:
-                return super().optimizer(params, **kw)
+                return super().optimizer(params, lr)
             # the resumed optimizer keeps its own block size (a storage setting): its states are laid out anew
             return AdamW(
                 params,
@@ -53,8 +56,10 @@ def test_exact_resume_failure_names_every_shape_and_difference():
                 min_quant_size=self.min_quant_size,
             )
 
-    message = failure(ResumedWithOtherBlocks("test_exact_resume"))
-    assert "format 'dtq8', executor 'eager': 6 failed" in message
+    with pytest.raises(AssertionError) as failed:
+        conformance.test_exact_resume(ResumedWithOtherBlocks(ADAMW, ADAMW.samples[0], "dtq8", "eager"))
+    message = str(failed.value)
+    assert "adamw, format 'dtq8', executor 'eager': 6 failed" in message
     for shape in ("(4, 128)", "(3, 100)"):
         assert re.search(
             rf"shape {re.escape(shape)}: the resumed parameter against the one that went on: \d+ of "
