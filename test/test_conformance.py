@@ -48,18 +48,7 @@ SLACK = {("sgd", "fp8"): 1.25, ("stock_rmsprop", "test_grid8"): 1.25}
 
 # Known failures, each expected to fail until fixed (strict: a pass fails, so that the entry is removed):
 # (test, row, format) -> reason.
-_ROWS_IN_4BIT_RANK1 = (
-    "quantize_optimizer_state stores 4bit_rank1's unsigned states with rows=0 (per-block scales: plain 4-bit), "
-    "not with the rank-1 scales the format gives a new state of a matrix"
-)
-KNOWN_FAILURES = {
-    ("test_uses_its_executor_and_state_format", "stock_adamw", "4bit_rank1"): _ROWS_IN_4BIT_RANK1,
-    ("test_uses_its_executor_and_state_format", "stock_adamw-foreach", "4bit_rank1"): _ROWS_IN_4BIT_RANK1,
-    ("test_uses_its_executor_and_state_format", "stock_rmsprop", "4bit_rank1"): _ROWS_IN_4BIT_RANK1,
-    # and so RMSprop's square_avg is 1.6x as far from torch.optim.RMSprop as AdamW's rank-1 exp_avg_sq
-    ("test_matches_reference", "stock_rmsprop", "4bit_rank1"): _ROWS_IN_4BIT_RANK1,
-    ("test_lr_schedule_without_recompiles", "stock_rmsprop", "4bit_rank1"): _ROWS_IN_4BIT_RANK1,
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 
 def compiled_on_cpu(row: str, fmt: str) -> bool:

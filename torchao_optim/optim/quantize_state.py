@@ -329,16 +329,16 @@ def _quantize_one(optimizer, group, p: Tensor, state: dict[str, Any], key: str) 
         return
     fmt = get_state_format(format_name)
     signed = key not in UNSIGNED_STATE_KEYS
-    attrs = fmt._attrs(signed=signed, block_size=block_size)
     try:
-        fmt.check_attrs(p.shape, **attrs)
+        fmt.check_attrs(p.shape, **fmt._attrs(signed=signed, block_size=block_size))
     except ValueError:
         return  # the format cannot store this shape: keep plain state
     dtype = value.dtype
     value = value.detach().to(torch.float32)
     if not signed:
         value = value.clamp_min(0)  # -0.0 and rounding never make a sum of squares negative; NaN stays NaN
-    state[key] = fmt.from_float(value, **attrs).to(dtype=dtype)
+    # the format derives what follows from the shape (4bit_rank1's rows), as for the optimizers' own states
+    state[key] = fmt.from_float(value, signed=signed, block_size=block_size).to(dtype=dtype)
 
 
 def _quantize_all(optimizer) -> None:
