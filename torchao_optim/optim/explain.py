@@ -9,25 +9,15 @@ memory is allocated).
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import fused_executor, unfused_reason
 from torchao_optim.optim.sharded import local
-from torchao_optim.optim.state_form import block_size_for, format_for, offloads, plain_state_dtype
+from torchao_optim.optim.state_form import block_size_for, format_for, new_state_tensor, offloads, plain_state_dtype
 
 __all__ = ["explain", "route"]
 
 _EXECUTORS = {"cpu": "fused C step", "triton": "fused Triton kernels"}
-
-
-def _would_be(optimizer, p: Tensor, group, key: str) -> Tensor:
-    """The state ``key`` the optimizer would create for ``p``, on the meta device."""
-    fmt, shape = format_for(p, group), local(p).shape
-    if fmt is None:
-        return torch.empty(shape, dtype=plain_state_dtype(p), device="meta")
-    block_size = block_size_for(p, group, fmt)
-    return fmt.zeros(shape, signed=optimizer._signed(key), block_size=block_size, device="meta")
 
 
 def _state_words(p: Tensor, group) -> str:
@@ -46,7 +36,12 @@ def route(optimizer, p: Tensor, group) -> tuple[str, str, str]:
     """``(executor, state, why)`` for ``p`` of ``group``: how its next step runs."""
     keys = optimizer._state_keys(group, p)
     state = optimizer.state.get(p, {})
-    states = {k: state[k] if isinstance(state.get(k), Tensor) else _would_be(optimizer, p, group, k) for k in keys}
+    states = {
+        k: state[k]
+        if isinstance(state.get(k), Tensor)
+        else new_state_tensor(optimizer, p, group, optimizer._signed(k), "meta")
+        for k in keys
+    }
     grad = p.grad if p.grad is not None else p  # a gradient from autograd is laid out like its parameter
     words = _state_words(p, group)
     if not keys:
