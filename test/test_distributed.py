@@ -288,7 +288,9 @@ def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
     # server that imports torch and the packages the jobs use once, before any op, then forks the ranks, which
     # import only this module (on 2 cores, 4 ranks importing torch at once took 20 s). This module too where the
     # fork server finds it: Python 3.11's does not take the parent's sys.path, where pytest put this directory.
-    method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
+    # CUDA jobs are spawned: importing the kernels can initialize CUDA, and a process forked after that cannot use it.
+    forkable = "cuda" not in backend and "forkserver" in mp.get_all_start_methods()
+    method = "forkserver" if forkable else "spawn"
     if method == "forkserver":
         multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
     ctx = mp.start_processes(
