@@ -38,15 +38,22 @@ def test_register_rejects_bad_input():
         register_state_format("none")
 
 
-def test_six_more_formats_pass_the_shared_cases_in_one_process():
+# The six formats' shared cases take about 30 s each on a 2-core CPU (each compiles its step): CI runs those of
+# the smallest and the largest block, with all six registered; --runslow runs every format's.
+SIX_IN_CI = "Uniform8B32 or Square8Block4096Elements"
+
+
+@pytest.mark.parametrize("which", [SIX_IN_CI, pytest.param("", marks=pytest.mark.slow, id="all")])
+def test_six_more_formats_pass_the_shared_cases_in_one_process(which):
     """Formats added one after another never break the suite: six more made-up formats (names up to 32
     characters, blocks of 32 to 4096 elements; test/six_made_up_formats.py) pass every shared case in one pytest
-    process. In a process of its own: the registry keeps what is registered, and each registered format would
-    be crossed with every optimizer of the conformance table (test_conformance.py)."""
+    process, with all six registered. In a process of its own: the registry keeps what is registered, and each
+    registered format would be crossed with every optimizer of the conformance table (test_conformance.py)."""
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+    select = ["-k", which] if which else []
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "six_made_up_formats.py")],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *select, str(here / "six_made_up_formats.py")],
         env=env,
         cwd=here.parent,
         capture_output=True,
