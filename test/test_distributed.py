@@ -62,7 +62,7 @@ from torchao_optim import (
     step_in_backward,
 )
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.optim.sharded import row_aligned_block_size
+from torchao_optim.optim.sharded import local, row_aligned_block_size
 from torchao_optim.testing import SpreadProblem, assert_same_tensor
 from torchao_optim.testing.compare import same_tensor_problems
 
@@ -395,7 +395,9 @@ class Case:
         "fsdp"  # "fsdp": fully_shard over every rank (Shard(0)); "hsdp": a 2 x (world / 2) mesh, replicate x shard
     )
     offload: bool = False  # fully_shard(offload_policy=CPUOffloadPolicy())
-    executor: str = "fused"  # "fused": fused=None, the fused C step; "eager": fused=False, per parameter
+    # "fused": fused=None, the fused C step; "eager": fused=False, per parameter; "offload_state": offload_state=True,
+    # the fused Triton kernels (Triton's interpreter on the CPU) over each rank's shards streamed from host memory
+    executor: str = "fused"
     # "set": each rank's rows of the gradients set by hand (set_grads); "backward": reduced by FSDP2 in backward
     # (backward_to), then step(); "in_backward": the same backward, with step_in_backward
     grads: str = "set"
@@ -421,8 +423,9 @@ def case_groups(case):
 
 def case_options(case):
     cls, options = OPTIMIZERS[case.opt]
-    fused = None if case.executor == "fused" else False
-    return cls, fused, dict(options, state_format=case.fmt, bf16_stochastic_round=case.bf16)
+    fused = {"fused": None, "eager": False, "offload_state": True}[case.executor]
+    options = dict(options, state_format=case.fmt, bf16_stochastic_round=case.bf16)
+    return cls, fused, dict(options, offload_state=True) if case.executor == "offload_state" else options
 
 
 def case_model(case, mesh=None):
@@ -534,6 +537,7 @@ def cases_job(out, cases, reshard=(), device="cpu"):
 def case_reference(case, stages=1) -> list:
     """Single-process training for ``case``: its snapshot after each ``STEPS`` steps, ``stages`` times."""
     cls, fused, options = case_options(case)
+    options.pop("offload_state", None)  # the same bits as state on the device
     model = Net().to(torch.bfloat16) if case.bf16 else Net()
     opt = reference_optimizer(model, fused, cls, groups=case_groups(case), **options)
     snaps = []
@@ -567,6 +571,9 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
             problems.append(f"{what}: not every parameter takes the fused C step:\n{ours['explain']}")
         if ours["plans"] != (n_params, 0):
             problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params}, 0)")
+    elif case.executor == "offload_state":
+        if not routes or not all("state streamed from host memory" in line for line in routes):
+            problems.append(f"{what}: not every parameter's state is streamed from host memory:\n{ours['explain']}")
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
     # the reference's layouts come from the block rule: a format whose scales cover one block each is quantized
@@ -614,7 +621,10 @@ class TestShardedStep(expecttest.TestCase):
     step, exactly its rows of single-process training on the same gradients (the update is elementwise and
     every shard is whole blocks), uneven and empty shards included."""
 
-    def check_ranks(self, world, make_model, steps=STEPS, fused=False, opt_kw=None, **shard_kw):
+    def check_ranks(self, world, make_model, steps=STEPS, fused=False, opt_kw=None, offload_state=False, **shard_kw):
+        """``world`` simulated ranks train ``make_model()`` sharded; each rank's parameters and states must be its
+        rows of single-process training's, bit for bit (``offload_state``: the sharded optimizer's only, so that
+        it is checked against state on the device). Returns the last rank's model and optimizer."""
         opt_kw = opt_kw or {}
         ref_model = make_model()
         ref_opt = reference_optimizer(ref_model, fused, **opt_kw)
@@ -625,7 +635,7 @@ class TestShardedStep(expecttest.TestCase):
         for rank in range(world):
             with simulated_rank(rank, world):
                 model = sharded(make_model(), **shard_kw)
-                opt = optimizer(model, fused, **opt_kw)
+                opt = optimizer(model, fused, **opt_kw, **({"offload_state": True} if offload_state else {}))
                 for step in range(steps):
                     set_grads(model, step)
                     opt.step()
@@ -636,9 +646,10 @@ class TestShardedStep(expecttest.TestCase):
                         state = opt.state[p][key]
                         self.assertEqual((state.shape, state.placements), (p.shape, p.placements))
                         assertShardOf(self, state.to_local(), ref_state[name][key], rows, f"rank {rank} {name} {key}")
-                    if fused:
+                    if fused and not offload_state:  # (offloaded, a parameter no kernel covers is refused)
                         plans = opt._plans[id(opt.param_groups[0])]
                         self.assertEqual(plans["rest"], [], "parameters left to the compiled path")
+        return model, opt
 
     def test_two_ranks_uneven(self):
         self.check_ranks(2, Net)
@@ -705,6 +716,36 @@ class TestShardedStep(expecttest.TestCase):
         # Triton's interpreter is slow: a small model; fc1.weight (23, 64) quantized in blocks of 64, 12 and 11
         # rows; the rest in plain state (odd rows, or below min_quant_size)
         self.check_ranks(2, lambda: Net((64, 23, 64, 4)), steps=2, fused=True)
+
+    @unittest.skipUnless(fused_available("cpu"), "the fused executor needs Triton (its interpreter on the CPU)")
+    def test_offloaded_state_on_shards(self):
+        # offload_state=True (in Triton's interpreter here; on CUDA through the GPU window: test_offload.py): each
+        # rank keeps its own shards' states in one host arena of their bytes alone, with the bits of state kept on
+        # the device; a state_dict loaded into a new offloaded optimizer continues as the first one does.
+        from torchao_optim.optim.offload import state_nbytes
+
+        model, opt = self.check_ranks(2, lambda: Net((64, 23, 64, 4)), steps=2, fused=True, offload_state=True)
+        with simulated_rank(1, 2):
+            chunks = opt._plans[id(opt.param_groups[0])]["chunks"]
+            arena = sum(c.nbytes for c in chunks)
+            offloaded = [opt.state[p] for p in model.parameters() if "exp_avg" in opt.state[p]]
+            self.assertEqual(arena, sum(state_nbytes(s[k]) for s in offloaded for k in ("exp_avg", "exp_avg_sq")))
+            self.assertEqual(
+                sum(local(s["exp_avg"]).numel() for s in offloaded), sum(local(p).numel() for p in model.parameters())
+            )
+            again = optimizer(model, True, offload_state=True)
+            again.load_state_dict(opt.state_dict())
+            params = [p.detach().to_local().clone() for p in model.parameters()]
+            for o in (opt, again):
+                with torch.no_grad():
+                    for p, start in zip(model.parameters(), params):
+                        p.to_local().copy_(start)
+                set_grads(model, 2)
+                o.step()
+                if o is opt:
+                    first = [p.detach().to_local().clone() for p in model.parameters()]
+            for p, q in zip(model.parameters(), first):
+                self.assertTrue(torch.equal(p.to_local(), q))
 
     def test_cpu_offload_policy_on_a_gpu_mesh(self):
         # What CPUOffloadPolicy makes on GPUs: parameters and gradients whose shards are in host memory, on a mesh
@@ -1035,14 +1076,26 @@ SWEEP_FEATURES = [
 SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU cores: 81 s on 2 ranks, 217 s on 4)
 
 
+# offload_state=True streams the fused kernels' state (Triton's interpreter on the CPU): the optimizers whose every
+# parameter the fused kernels step
+OFFLOADED = ("AdamW", "SGD8bit", "Lion8bit")
+
+
 def sweep_cases(world) -> list:
-    """Every optimizer x every format x each of SWEEP_FEATURES (HSDP on 4 ranks)."""
+    """Every optimizer x every format x each of SWEEP_FEATURES (HSDP on 4 ranks), and offloaded state."""
+    meshes = ("fsdp", "hsdp") if world == 4 else ("fsdp",)
     return [
         Case(opt, fmt, **feature)
         for opt in OPTIMIZERS
         for fmt in FORMATS
         for feature in SWEEP_FEATURES
         if feature.get("mesh") != "hsdp" or world == 4
+    ] + [
+        Case(opt, fmt, mesh=mesh, executor="offload_state")
+        for opt in OFFLOADED
+        for fmt in FORMATS
+        if fmt == "none" or get_state_format(fmt).row_shardable  # (rank-1 scales: no fused layout to stream)
+        for mesh in meshes
     ]
 
 
@@ -1051,6 +1104,7 @@ RESHARD_SWEEP = (
     [Case(opt, fmt) for opt in OPTIMIZERS for fmt in FORMATS]
     + [Case(opt, "dtq8", bf16=True) for opt in OPTIMIZERS]
     + [Case(opt, "dtq8", offload=True) for opt in OPTIMIZERS]
+    + [Case(opt, "dtq8", executor="offload_state") for opt in OFFLOADED]
 )
 
 

@@ -160,11 +160,6 @@ def check_group(optimizer, group: dict[str, Any], index: int) -> None:
         check_storage(group["block_size"], group["min_quant_size"])
         if group["state_format"] != "none":
             get_state_format(group["state_format"])  # raises ValueError naming the registered formats
-        if optimizer._offload_state and any(is_dtensor(p) for p in group["params"]):
-            raise ValueError(
-                "offload_state=True does not support DTensor (FSDP2) parameters: use FSDP2's "
-                "own CPUOffloadPolicy, or offload without sharding"
-            )
         if optimizer._offload_state and optimizer._state_keys(group) and optimizer._fused_rule(group) is None:
             raise ValueError(
                 f"offload_state=True needs the fused CUDA path, which no kernel gives this "

@@ -1,8 +1,10 @@
 """Optimizer state in host memory, in its low-bit form, streamed through the GPU a chunk at a time.
 
-With ``offload_state=True`` an optimizer of ours keeps the states of its GPU parameters in one page-locked
-host buffer per parameter group (an *arena*), laid out chunk after chunk. The GPU holds two *slots*, each the
-size of the largest chunk. A step walks the chunks: a side stream copies chunk ``i + 2`` into the slot chunk
+With ``offload_state=True`` an optimizer of ours keeps the states of its GPU parameters in page-locked host
+buffers, one per parameter group and dtype (an *arena*: one holds the codes, another the fp32 scales and plain
+states, since a checkpoint cannot hold views of one storage as two dtypes), laid out chunk after chunk. Each rank
+of a sharded model (FSDP2) keeps its own shards' states. The GPU holds two *slots*, each the size of the largest
+chunk. A step walks the chunks: a side stream copies chunk ``i + 2`` into the slot chunk
 ``i`` used as soon as chunk ``i``'s state has been copied back, the update of chunk ``i + 1`` runs meanwhile
 on the current stream, and a second side stream copies each updated chunk back, so that both directions of
 the PCIe link and the update overlap. The fused kernels read the slots exactly as they read GPU-resident
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.fused import GroupPlan, plan_key
-from torchao_optim.optim.sharded import is_dtensor
+from torchao_optim.optim.sharded import is_dtensor, like_param, local
 from torchao_optim.optim.snapshot import StateSnapshot
 from torchao_optim.optim.state_form import new_state_tensor, offloads
 from torchao_optim.rules import FusedRule
@@ -44,12 +46,17 @@ ALIGN = 64  # every field starts at a multiple of this many bytes, in the arena 
 
 
 def _fields(state: Tensor) -> dict[str, Tensor]:
-    """The plain tensors a state is made of: a quantized state's fields, or the state itself."""
+    """The plain tensors a state is made of: a quantized state's fields, or the state itself (for a DTensor
+    state, its local shard's: each rank streams its own shards)."""
+    state = local(state)
     return state.fields() if isinstance(state, QuantizedState) else {"": state}
 
 
 def _rebuild(state: Tensor, fields: dict[str, Tensor]) -> Tensor:
-    return state._new(fields) if isinstance(state, QuantizedState) else fields[""]
+    """``state`` over ``fields`` (a DTensor state stays a DTensor, its local shard over them)."""
+    shard = local(state)
+    rebuilt = shard._new(fields) if isinstance(shard, QuantizedState) else fields[""]
+    return like_param(state, rebuilt) if is_dtensor(state) else rebuilt
 
 
 def _aligned(n: int) -> int:
@@ -84,11 +91,19 @@ def _view(buffer: Tensor, offset: int, like: Tensor) -> Tensor:
 
 
 class OffloadChunk:
-    """One launch's parameters: their states' bytes in the arena (``host``) and the slot they run in."""
+    """One launch's parameters: their states' bytes in the arenas and the slot they run in. ``segments`` pairs
+    each arena's part (a typed 1-D view of host memory) with the same bytes in the slot."""
 
-    def __init__(self, plan: GroupPlan, host: Tensor, slot: int):
-        self.plan, self.host, self.slot = plan, host, slot
-        self.nbytes = host.numel()
+    def __init__(self, plan: GroupPlan, segments: list[tuple[Tensor, Tensor]], slot: int, nbytes: int):
+        self.plan, self.segments, self.slot, self.nbytes = plan, segments, slot, nbytes
+
+    def copy_in(self, non_blocking: bool) -> None:
+        for host, device in self.segments:
+            device.copy_(host, non_blocking=non_blocking)
+
+    def copy_out(self, non_blocking: bool) -> None:
+        for host, device in self.segments:
+            host.copy_(device, non_blocking=non_blocking)
 
 
 class Slots:
@@ -121,7 +136,7 @@ class Slots:
         with torch.cuda.stream(self.h2d):
             if self.free[c.slot] is not None:
                 self.h2d.wait_event(self.free[c.slot])
-            self.buffers[c.slot][: c.nbytes].copy_(c.host, non_blocking=True)
+            c.copy_in(non_blocking=True)
             event = self.h2d.record_event()
         self.resident[c.slot] = (c, event)
         return event
@@ -143,10 +158,9 @@ class Slots:
         """Stream ``chunks`` through the slots: copy in, ``launch(chunk.plan)``, copy back."""
         if not self.cuda:  # Triton's interpreter on the CPU: the same data movement, synchronous
             for c in chunks:
-                slot = self.buffers[c.slot][: c.nbytes]
-                slot.copy_(c.host)
+                c.copy_in(non_blocking=False)
                 launch(c.plan)
-                c.host.copy_(slot)
+                c.copy_out(non_blocking=False)
             return
         main = torch.cuda.current_stream(self.device)
         loaded = [self._loaded(c) for c in chunks[:2]]
@@ -157,7 +171,7 @@ class Slots:
             updated = main.record_event()
             with torch.cuda.stream(self.d2h):
                 self.d2h.wait_event(updated)
-                c.host.copy_(self.buffers[c.slot][: c.nbytes], non_blocking=True)
+                c.copy_out(non_blocking=True)
                 self.free[c.slot] = self.d2h.record_event()
             self.resident[c.slot] = (c, None)  # its bytes, as its host memory will hold them
             if i + 2 < len(chunks):
@@ -205,11 +219,31 @@ def plan_offloaded(
             current.append(i)
             size += n
         layout.append((k, current, size))
-    arena = pinned_empty(sum(n for _, _, n in layout))
-    chunks, start = [], 0
+    # one arena per dtype; in each, chunk after chunk; in a slot, a chunk's dtypes one after another
+    fields = {
+        i: [(name, f, t) for name in rule.state_keys for f, t in _fields(states[i][name]).items()]
+        for _, idx, _ in layout
+        for i in idx
+    }
+    dtypes = sorted({t.dtype for fs in fields.values() for _, _, t in fs}, key=str)
+    sizes = {d: 0 for d in dtypes}  # bytes of each arena
+    for fs in fields.values():
+        for _, _, t in fs:
+            sizes[t.dtype] += _aligned(t.numel() * t.element_size())
+    arenas = {d: pinned_empty(n) for d, n in sizes.items()}  # uint8, viewed as d where read
+    ends = dict.fromkeys(dtypes, 0)  # bytes of each arena taken by the chunks before
+    chunks = []
     for j, (k, idx, size) in enumerate(layout):
         slot = (first_slot + j) % 2
-        shadows, offset = [], 0
+        starts = dict(ends)
+        offsets, slot_at, at = {}, {}, 0  # a field's byte offset in its arena's part of the chunk
+        for d in dtypes:
+            slot_at[d] = at
+            part = sum(_aligned(t.numel() * t.element_size()) for i in idx for _, _, t in fields[i] if t.dtype == d)
+            offsets[d] = 0
+            at += part
+            ends[d] += part
+        shadows = []
         for i in idx:
             shadow = {"step": states[i]["step"]}
             for name in rule.state_keys:
@@ -217,20 +251,26 @@ def plan_offloaded(
                 host, device = {}, {}
                 source = _fields(_materialized(state, slots.device))
                 for field, t in source.items():
-                    host[field] = _view(arena, start + offset, t)
+                    d = t.dtype
+                    host[field] = _view(arenas[d], starts[d] + offsets[d], t)
                     host[field].copy_(t)
-                    device[field] = _view(slots.buffers[slot], offset, t)
-                    offset += _aligned(t.numel() * t.element_size())
+                    device[field] = _view(slots.buffers[slot], slot_at[d] + offsets[d], t)
+                    offsets[d] += _aligned(t.numel() * t.element_size())
                 states[i][name] = _rebuild(state, host)
-                shadow[name] = _rebuild(state, device)
+                shadow[name] = _rebuild(local(state), device)  # what the kernels read: the local shard's
             shadows.append(shadow)
+        segments = []
+        for d in dtypes:
+            n = ends[d] - starts[d]
+            if n:  # (a multiple of ALIGN bytes, so a whole number of elements)
+                host = arenas[d][starts[d] : ends[d]].view(d)
+                segments.append((host, slots.buffers[slot][slot_at[d] : slot_at[d] + n].view(d)))
         chunk_params = [params[i] for i in idx]
         # pdl=False: its update follows a copy into its slot, so it starts when everything before it is done
         plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None, pdl=False)
         for i, shadow in zip(idx, shadows):
             states[i]["step"] = shadow["step"]  # an alias into the plan's step counts
-        chunks.append(OffloadChunk(plan, arena[start : start + size], slot))
-        start += size
+        chunks.append(OffloadChunk(plan, segments, slot, size))
     cache.clear()
     # recorded after the states were moved into the arena and their steps re-pointed at the plans' counters
     cache.update(offload_key=key, chunks=chunks, states=StateSnapshot(states))
@@ -240,6 +280,7 @@ def plan_offloaded(
 def _materialized(state: Tensor, device: torch.device) -> Tensor:
     """``state`` holding data: a state created on the meta device (not yet stepped) as zeros, made on ``device``
     one at a time (each is copied into the arena, then freed)."""
+    state = local(state)
     if not state.is_meta:
         return state
     if isinstance(state, QuantizedState):
