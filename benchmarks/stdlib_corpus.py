@@ -76,13 +76,7 @@ class StdlibCorpus:
     n_train_files: int
     n_val_files: int
     packages: dict[str, str] = field(default_factory=dict)  # import name -> directory read
-
-    def digest(self) -> str:
-        """SHA-256 of the training bytes, then the validation bytes: equal digests, equal corpora and splits."""
-        h = hashlib.sha256(self.train.numpy())
-        h.update(b"\x00split\x00")
-        h.update(self.val.numpy())
-        return h.hexdigest()
+    sha256: str = ""  # of the training bytes, then the validation bytes: equal digests, equal corpora and splits
 
     def describe(self) -> dict:
         source = "Python standard library *.py files"
@@ -96,7 +90,7 @@ class StdlibCorpus:
             "val_files": self.n_val_files,
             "train_bytes": self.train.numel(),
             "val_bytes": self.val.numel(),
-            "sha256": self.digest(),
+            "sha256": self.sha256,
         }
 
     def train_batch(
@@ -138,15 +132,20 @@ def load_stdlib_corpus(
     if not splits[True] or not splits[False]:
         raise RuntimeError(f"found too few *.py files under {root} to build a train/validation split")
 
+    digest = hashlib.sha256()
+
     def join(contents: list[bytes]) -> torch.Tensor:
         blob = bytes([FILE_SEPARATOR]).join(contents)
+        digest.update(len(blob).to_bytes(8, "little") + blob)  # the length: where the training split ends
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
 
+    train, val = join(splits[False]), join(splits[True])
     return StdlibCorpus(
-        train=join(splits[False]),
-        val=join(splits[True]),
+        train=train,
+        val=val,
         root=str(root),
         n_train_files=len(splits[False]),
         n_val_files=len(splits[True]),
         packages={name: str(package_root(name)) for name in packages},
+        sha256=digest.hexdigest(),
     )
