@@ -72,7 +72,7 @@ sys.path.insert(0, HERE)  # gpt.py, stdlib_corpus.py, optimizers.py
 import optimizers  # noqa: E402  (the optimizer table every benchmark shares; puts this checkout first)
 from gpt import GPT, GPTConfig  # noqa: E402
 from optimizers import lr_at, set_lr, state_nbytes  # noqa: E402,F401  (lr_at: part of this script's API)
-from stdlib_corpus import load_stdlib_corpus  # noqa: E402
+from stdlib_corpus import load_stdlib_corpus, package_root  # noqa: E402
 
 import torchao_optim  # noqa: E402
 
@@ -772,6 +772,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.corpus_packages = list(preset.corpus_packages)
     else:
         args.corpus_packages = [name.strip() for name in args.corpus_packages.split(",") if name.strip()]
+    for name in args.corpus_packages:
+        try:
+            package_root(name)
+        except ValueError as error:
+            fail(f"--corpus_packages: {error}")
     if args.budget_s is not None and args.budget_s <= 0:
         fail(f"--budget_s must be positive, got {args.budget_s:g}")
     args.warmup = max(1, args.steps // 20) if args.warmup is None else args.warmup
@@ -974,6 +979,7 @@ def merge_results(paths: Sequence[str], out: Path) -> dict:
                 )
             source[key] = path
             runs.append(run)
+    runs.sort(key=lambda r: r["seed"])  # each optimizer's seeds in order, whatever the order of the parts
     names = list(dict.fromkeys(r["optimizer"] for r in runs))
     optims = [REFERENCE] * (REFERENCE in names) + [n for n in names if n != REFERENCE]
     skipped = [
