@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -182,3 +183,253 @@ def test_no_warmup(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--warmup", "-1"])
     assert "--warmup must be 0 (no warm-up) or positive, got -1" in capsys.readouterr().err
+
+
+# ---- the language-model quality benchmark: presets, parts and their merge (benchmarks/lm_quality.sh) ---------
+
+
+def test_lm_presets_are_as_large_and_long_as_the_benchmark_needs(capsys):
+    """gpt125m: at least 100M parameters and 2000 steps; gpt350m: at least 350M and 1000 steps; both bf16 autocast on
+    CUDA, counted from the configuration (the formula is checked against a built model of the same shape family)."""
+    small = bench.GPTConfig(d_model=32, n_layer=3, n_head=2, context=512)
+    assert small.num_params() == bench.GPT(small).num_params()
+    big, medium = bench.PRESETS["gpt125m"], bench.PRESETS["gpt350m"]
+    assert big.model.num_params() >= 100e6 and big.steps >= 2000
+    assert medium.model.num_params() >= 350e6 and medium.steps >= 1000
+    for preset in (big, medium):
+        assert preset.amp == "bf16" and preset.model.vocab_size == 256 and preset.model.context == 512
+    # bf16 autocast is the CUDA default; the CPU runs unchanged unless asked
+    args = bench.parse_args(["--model_size", "gpt125m", "--device", "cpu"])
+    assert args.amp == "none" and args.warmup == 100 and args.corpus_packages == ["torch"]
+    assert bench.parse_args(["--model_size", "gpt125m", "--device", "cpu", "--amp", "bf16"]).amp == "bf16"
+    assert bench.parse_args(["--corpus_packages", ""]).corpus_packages == []
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--corpus_packages", "no_such_package_xyz"])
+    assert "--corpus_packages: corpus package 'no_such_package_xyz' is not an installed package" in (
+        capsys.readouterr().err
+    )
+    # a gpt125m run: about 1.5 minutes on one H200 at 250 TFLOP/s
+    tokens = big.steps * big.batch_size * big.model.context
+    assert bench.training_flops(big.model, tokens) / 250e12 < 100
+
+
+def test_lm_preset_reads_its_corpus_less_than_once():
+    """The stdlib alone (about 11 MB) would be read three times by a gpt125m run; with torch's sources it is read
+    less than once, and the corpus says which sources it holds and a digest of its bytes."""
+    preset = bench.PRESETS["gpt125m"]
+    corpus = bench.load_stdlib_corpus(packages=preset.corpus_packages)
+    assert preset.steps * preset.batch_size * preset.model.context < corpus.train.numel()
+    described = corpus.describe()
+    assert list(described["packages"]) == ["torch"] and len(described["sha256"]) == 64
+    with pytest.raises(ValueError, match="'no_such_package_xyz' is not an installed package"):
+        bench.load_stdlib_corpus(packages=("no_such_package_xyz",))
+
+
+def _fake_part(directory, finals: dict, *, model_size="gpt125m", steps=2000, sha="a" * 64, skipped=()):
+    """A results.json as a part writes it: runs of (optimizer, seed) with the given final validation losses."""
+    runs = [
+        {
+            "optimizer": name,
+            "seed": seed,
+            "final_val_loss": final,
+            "val_curve": [[0, 5.5], [steps, final]],
+            "train_time_s": 80.0 + seed,
+            "first_step_s": 2.0,
+            "state_bytes": 100,
+            "state_bytes_per_param": {"AdamW": 8.0, "AdamW4bit": 1.06}.get(name, 2.05),
+            "wall_s": 90.0,
+        }
+        for (name, seed), final in finals.items()
+    ]
+    config = {key: None for key in bench.RUN_SETTINGS} | {"model_size": model_size, "steps": steps}
+    data = {
+        "config": config,
+        "corpus": {"sha256": sha, "train_bytes": 1, "val_bytes": 1},
+        "environment": {"torch": "2.11", "gpu": "H200", "device": "cuda"},
+        "runs": runs,
+        "skipped_runs": [{"optimizer": n, "seed": s} for n, s in skipped],
+        "total_wall_time_s": 300.0,
+    }
+    directory.mkdir(parents=True)
+    (directory / "results.json").write_text(json.dumps(data))
+    return directory
+
+
+FP32 = {0: 0.860, 1: 0.862, 2: 0.866}  # mean 0.8627, range [0.860, 0.866]
+
+
+def _parts(root, four_bit, torchao_four_bit, fp8=(0.861, 0.863, 0.865)):
+    """Three parts split by seed, as lm_quality.sh's 125m-4bit-s<seed>, and one of FP8 over the seeds."""
+    for seed in range(3):
+        _fake_part(
+            root / f"125m-4bit-s{seed}",
+            {
+                ("AdamW", seed): FP32[seed],
+                ("AdamW4bit", seed): four_bit[seed],
+                (bench.PEER_4BIT, seed): torchao_four_bit[seed],
+            },
+        )
+    _fake_part(root / "125m-fp8", {("AdamWFp8", s): fp8[s] for s in range(3)})
+    return [str(root / name) for name in ("125m-4bit-s0", "125m-4bit-s1", "125m-4bit-s2", "125m-fp8")]
+
+
+def test_merge_makes_one_table_of_the_parts(tmp_path):
+    paths = _parts(tmp_path, four_bit=(0.861, 0.863, 0.865), torchao_four_bit=(0.864, 0.865, 0.866))
+    result = bench.merge_results(paths[::-1], tmp_path / "merged")  # the parts in any order
+    assert list(result["summary"])[0] == "AdamW"  # the reference first
+    assert sorted(result["summary"]) == sorted(["AdamW", "AdamW4bit", bench.PEER_4BIT, "AdamWFp8"])
+    fp32 = result["summary"]["AdamW"]
+    assert fp32["seeds"] == [0, 1, 2] and fp32["final_val_loss"] == [0.860, 0.862, 0.866]
+    assert fp32["mean"] == pytest.approx(0.862667) and fp32["range"] == pytest.approx(0.006)
+    assert result["summary"]["AdamW4bit"]["state_bytes_per_param"] == 1.06
+    assert result["config"]["seeds"] == [0, 1, 2] and len(result["merged_from"]) == 4
+    table = bench.table_of(result)
+    assert "| AdamW | 0.863 ± 0.006 | 0.860, 0.862, 0.866 | — | 81.0 |" in table
+    assert "| AdamW4bit | 0.863 ± 0.004 | 0.861, 0.863, 0.865 | +0.0003 |" in table
+    t = result["targets"]
+    assert t["AdamW4bit"]["in_reference_range"] and t["AdamW4bit"]["below_peer_mean"]
+    assert t["AdamW4bit"]["passed"] is True and t["AdamWFp8"]["passed"] is True
+    assert "- Target, AdamW4bit (4-bit): mean 0.8630; inside fp32 AdamW's seed range [0.8600, 0.8660]; below " in table
+    assert bench.failed_targets(result) == [] and bench.exit_status(result) == 0
+    # one part alone: one seed of AdamW gives no seed range, so the gpt125m targets are undecided, not failed
+    part = bench.merge_results(paths[:1], tmp_path / "part")
+    assert {t["passed"] for t in part["targets"].values()} == {None} and bench.exit_status(part) == 0
+    assert "fp32 AdamW ran on one seed: no seed range yet" in bench.table_of(part)
+
+
+@pytest.mark.parametrize(
+    "four_bit, torchao_four_bit, missed",
+    [
+        ((0.879, 0.872, 0.8715), (0.8737, 0.8717, 0.8701), "outside"),  # the gap the benchmark was made to show
+        ((0.861, 0.862, 0.865), (0.860, 0.861, 0.862), "not below"),  # in fp32's range, but torchao's is lower
+    ],
+)
+def test_merge_fails_a_missed_four_bit_target(tmp_path, four_bit, torchao_four_bit, missed):
+    result = bench.merge_results(_parts(tmp_path, four_bit, torchao_four_bit), tmp_path / "merged")
+    assert result["targets"]["AdamW4bit"]["passed"] is False
+    line = next(line for line in bench.table_of(result).splitlines() if line.startswith("- Target, AdamW4bit"))
+    assert f"; {missed} " in line and line.endswith(": FAIL")
+    assert bench.failed_targets(result) == ["AdamW4bit"] and bench.exit_status(result) == 1
+
+
+def test_merge_fails_fp8_outside_the_fp32_range(tmp_path):
+    paths = _parts(tmp_path, (0.861, 0.862, 0.865), (0.864, 0.865, 0.866), fp8=(0.866, 0.867, 0.868))
+    result = bench.merge_results(paths, tmp_path / "merged")
+    assert result["targets"]["AdamWFp8"]["in_reference_range"] is False
+    assert bench.failed_targets(result) == ["AdamWFp8"]
+
+
+def test_merge_one_seed_target_is_one_percent(tmp_path):
+    """gpt350m runs one seed: each low-bit format within 1% of fp32 AdamW's loss."""
+    _fake_part(tmp_path / "a", {("AdamW", 0): 0.800, ("AdamW4bit", 0): 0.8079}, model_size="gpt350m", steps=1000)
+    _fake_part(tmp_path / "b", {("AdamW8bit", 0): 0.8081, ("AdamWFp8", 0): 0.7950}, model_size="gpt350m", steps=1000)
+    result = bench.merge_results([str(tmp_path)], tmp_path / "merged")
+    verdicts = {name: t["passed"] for name, t in result["targets"].items()}
+    assert verdicts == {"AdamW4bit": True, "AdamW8bit": False, "AdamWFp8": True}
+    assert result["targets"]["AdamW8bit"]["relative_difference"] == pytest.approx(0.010125)
+    assert "- Target, AdamW8bit (8-bit): mean 0.8081; +1.01% against fp32 AdamW: not within 1%: FAIL" in (
+        bench.table_of(result)
+    )
+
+
+def test_merge_refuses_runs_that_do_not_make_one_table(tmp_path):
+    _fake_part(tmp_path / "a", {("AdamW", 0): 0.86})
+    _fake_part(tmp_path / "b", {("AdamW", 0): 0.87})
+    with pytest.raises(ValueError, match="AdamW seed 0 ran twice: in .*a/results.json and in .*b/results.json"):
+        bench.merge_results([str(tmp_path)], tmp_path / "merged")
+    _fake_part(tmp_path / "c", {("AdamW", 1): 0.87}, steps=1500)
+    with pytest.raises(ValueError, match="was run with steps=1500, .* with steps=2000"):
+        bench.merge_results([str(tmp_path / "a"), str(tmp_path / "c")], tmp_path / "merged")
+    _fake_part(tmp_path / "d", {("AdamW", 1): 0.87}, sha="b" * 64)
+    with pytest.raises(ValueError, match="trained on different corpora"):
+        bench.merge_results([str(tmp_path / "a"), str(tmp_path / "d")], tmp_path / "merged")
+    with pytest.raises(ValueError, match="no such file or directory"):
+        bench.merge_results([str(tmp_path / "missing")], tmp_path / "merged")
+
+
+def test_merge_cli_writes_results_and_skips_its_own_output(tmp_path, capsys):
+    """A part stopped for want of time names its missing runs; a later part that ran them clears them; the merged
+    output, written inside the folder merged, is left out of the next merge."""
+    p0 = {("AdamW", 0): 0.860, ("AdamW8bit", 0): 0.861, ("AdamWFp8", 0): 0.862}
+    _fake_part(tmp_path / "p0", p0, skipped=[("AdamW8bit", 1)])
+    _fake_part(tmp_path / "p1", {("AdamW", 1): 0.866, ("AdamW8bit", 1): 0.863}, skipped=[("AdamW8bit", 2)])
+    out = tmp_path / "merged"
+    result = bench.main(["--merge", str(tmp_path), "--out", str(out)])
+    assert result["skipped_runs"] == [{"optimizer": "AdamW8bit", "seed": 2}] and bench.exit_status(result) == 1
+    written = json.loads((out / "results.json").read_text())
+    assert written["summary"]["AdamW"]["final_val_loss"] == [0.860, 0.866]
+    md = (out / "results.md").read_text()
+    assert "Not run (out of time): AdamW8bit seed 2." in md and "- AdamWFp8 ran on seeds [0] of [0, 1]" in md
+    again = bench.main(["--merge", str(tmp_path), "--out", str(out)])
+    assert "skipping " in capsys.readouterr().out and len(again["runs"]) == 5
+
+
+def test_merge_of_a_real_part_gives_its_numbers(results, tmp_path):
+    """The JSON a part writes is what the merge reads: merging the run above alone gives the same summary."""
+    out, returned = results
+    merged = bench.merge_results([str(out / "results.json")], tmp_path)
+    assert merged["summary"] == json.loads(json.dumps(returned["summary"]))
+    assert merged["targets"] == {} and returned["targets"] == {}  # tiny: no targets
+
+
+def test_budget_leaves_out_the_runs_that_would_not_end_in_time(tmp_path, capsys):
+    result = bench.main([*TINY_TWO_SEEDS, "--optims", "AdamW", "--budget_s", "0.001", "--out", str(tmp_path)])
+    assert result["runs"] == [] and result["skipped_runs"] == [{"optimizer": "AdamW", "seed": s} for s in (0, 1)]
+    assert "out of time: " in capsys.readouterr().out and bench.exit_status(result) == 1
+    assert json.loads((tmp_path / "results.json").read_text())["skipped_runs"] == result["skipped_runs"]
+
+
+def test_skip_missing_leaves_out_a_peer_that_does_not_import(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    args = bench.parse_args(["--optims", "AdamW,bnb", "--skip_missing"])
+    assert args.optims == ["AdamW"] and args.skipped_optims == [("bnb", "bitsandbytes")]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--optims", "bnb", "--skip_missing"])
+    assert "--skip_missing left no optimizer" in capsys.readouterr().err
+
+
+def test_lm_quality_parts_make_the_full_acceptance(monkeypatch):
+    """The parts benchmarks/lm_quality.sh lists are valid flags of the script (every optimizer name known), and
+    together run every optimizer the acceptance needs: three seeds of each on gpt125m, one seed of fp32 and each
+    low-bit format on gpt350m."""
+    monkeypatch.setattr(bench.optimizers, "missing_package", lambda name: None)  # peers need not be installed here
+    script = bench.Path(bench.HERE) / "lm_quality.sh"
+    listed = subprocess.run(
+        ["bash", str(script)], env={"PART": "list", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True
+    ).stdout
+    covered = set()
+    for line in listed.splitlines():
+        args = bench.parse_args([*line.split(": ", 1)[1].split(), "--device", "cpu"])
+        covered |= {(args.model_size, bench.optimizers.resolve(o), s) for o in args.optims for s in args.seeds}
+    peers = ["AdamWBnb8bit", "AdamWTorchao8bit", bench.PEER_4BIT]
+    ours = ["AdamW", "AdamW8bit", "AdamWFp8", "AdamW4bit"]
+    assert {("gpt125m", o, s) for o in [*ours, "AdamW-4bit_rank1", *peers] for s in (0, 1, 2)} <= covered
+    assert {("gpt350m", o, 0) for o in ours} <= covered
+
+
+@pytest.mark.slow
+def test_lm_quality_parts_then_merge_end_to_end(tmp_path):
+    """Two parts through benchmarks/lm_quality.sh on the CPU (tiny model, a few steps), one seed each, then the
+    merge: one table of both seeds, each run's numbers as its part recorded them."""
+    script = bench.Path(bench.HERE) / "lm_quality.sh"
+    for seed in (0, 1):
+        env = {
+            **os.environ,
+            "PART": "custom",
+            "MODEL": "tiny",
+            "OPTIMS": "AdamW,AdamW8bit",
+            "SEEDS": str(seed),
+            "DEVICE": "cpu",
+            "EXTRA_ARGS": "--steps 6 --batch_size 4 --eval_batches 1",
+            "OUT": str(tmp_path / f"s{seed}"),
+        }
+        proc = subprocess.run(["bash", str(script)], env=env, cwd=bench.Path(bench.HERE).parent, capture_output=True)
+        assert proc.returncode == 0, proc.stdout.decode() + proc.stderr.decode()
+        assert sorted(p.name for p in (tmp_path / f"s{seed}" / "custom").iterdir()) == ["log.txt", "results.json"]
+    parts = [json.loads((tmp_path / f"s{s}" / "custom" / "results.json").read_text()) for s in (0, 1)]
+    merged = bench.main(["--merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path / "merged")])
+    for name in ("AdamW", "AdamW8bit"):
+        finals = [part["summary"][name]["final_val_loss"][0] for part in parts]
+        assert merged["summary"][name]["final_val_loss"] == finals
+        assert merged["summary"][name]["range"] == pytest.approx(abs(finals[0] - finals[1]))
+    assert merged["acceptance"]["AdamW8bit"]["passed"] is not None  # two seeds of AdamW: decided

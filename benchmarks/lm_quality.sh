@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Language-model quality on one GPU: byte-level GPTs of 114M (gpt125m) and 354M (gpt350m) parameters trained on
+# the Python standard library's and torch's sources (benchmark_convergence.py), in parts that each fit a call of
+# ten minutes, then merged into one table.
+#
+#   PART=125m-4bit-s0 OUT=results/lm_quality bash benchmarks/lm_quality.sh
+#
+# PART names one part or several (space-separated, run in turn while the time allows); PART=list prints them. Each
+# part writes $OUT/<part>/results.json (rewritten after every run, so a stopped call keeps what finished) and
+# $OUT/<part>/log.txt (the part's table is at its end). BUDGET_S (default 510) is the call's time: a run starts only
+# if it is expected to end within it (estimated from timed steps, then from the runs before it); the runs left out
+# are named in the log and in results.json, for a later part. Optimizers whose package (bitsandbytes, torchao) does
+# not import are skipped with a line saying so. EXTRA_ARGS go to every run (runs with other settings do not merge);
+# DEVICE (default cuda) and PART=custom with MODEL, OPTIMS and SEEDS make a smoke run, e.g. on a CPU: PART=custom
+# MODEL=tiny OPTIMS=AdamW,AdamW4bit SEEDS=0 DEVICE=cpu EXTRA_ARGS="--steps 20" bash benchmarks/lm_quality.sh
+#
+# The full acceptance, about 1.6 minutes a gpt125m run and 2.6 minutes a gpt350m run on one H200 (estimate: 6 x
+# parameters x tokens at 250 TFLOP/s in bf16), each part about 5 to 7 minutes:
+#   gpt125m, seeds 0, 1 and 2 of every optimizer (fp32 AdamW's seed range decides):
+#     125m-4bit-s0  125m-4bit-s1  125m-4bit-s2    AdamW, AdamW4bit, AdamWTorchao4bit; seed 0, 1, 2
+#     125m-8bit-s0  125m-8bit-s1  125m-8bit-s2    AdamW8bit, AdamWFp8, AdamWBnb8bit, AdamWTorchao8bit; seed 0, 1, 2
+#     125m-rank1                                  AdamW-4bit_rank1, seeds 0, 1, 2 (per-parameter compiled path)
+#   gpt350m, seed 0 (each low-bit format within 1% of fp32 AdamW):
+#     350m-a  350m-b                              AdamW, AdamW4bit; AdamW8bit, AdamWFp8
+# then, wherever the parts' folders were gathered (any machine, no GPU needed):
+#   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-* --out results/lm_quality/gpt125m
+#   python benchmarks/benchmark_convergence.py --merge results/lm_quality/350m-* --out results/lm_quality/gpt350m
+# which write results.md (mean ± range over seeds, state bytes per parameter, time, and the targets), results.json
+# and val_loss.png. Start with 125m-4bit-s0 and 125m-4bit-s1: fp32 AdamW, 4-bit and torchao's 4-bit on two seeds.
+set -u -o pipefail
+OUT=${OUT:-results/lm_quality}
+PART=${PART:?"set PART to a part's name (PART=list prints them)"}
+BUDGET_S=${BUDGET_S:-510}
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+
+part() {  # the model, optimizers and seeds of part $1
+    case "$1" in
+        125m-4bit-s[0-9]) echo "gpt125m AdamW,AdamW4bit,AdamWTorchao4bit ${1#125m-4bit-s}" ;;
+        125m-8bit-s[0-9]) echo "gpt125m AdamW8bit,AdamWFp8,AdamWBnb8bit,AdamWTorchao8bit ${1#125m-8bit-s}" ;;
+        125m-rank1) echo "gpt125m AdamW-4bit_rank1 0,1,2" ;;
+        350m-a) echo "gpt350m AdamW,AdamW4bit 0" ;;
+        350m-b) echo "gpt350m AdamW8bit,AdamWFp8 0" ;;
+        custom) echo "${MODEL:?PART=custom needs MODEL} ${OPTIMS:?PART=custom needs OPTIMS} ${SEEDS:?PART=custom needs SEEDS}" ;;
+        *) return 1 ;;
+    esac
+}
+if [[ "$PART" == list ]]; then
+    for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b; do
+        read -r model optims seeds <<<"$(part "$p")"
+        echo "$p: --model_size $model --optims $optims --seeds $seeds"
+    done
+    exit 0
+fi
+for p in $PART; do
+    part "$p" >/dev/null || { echo "unknown part $p; PART=list prints the parts" >&2; exit 2; }
+done
+
+status=0
+for p in $PART; do
+    read -r model optims seeds <<<"$(part "$p")"
+    # the budget left to this part, less the interpreter's start (imports) before the script starts its clock
+    left=$((BUDGET_S - SECONDS - 15))
+    if ((left < 60)); then
+        echo "part $p not started: ${left} s of BUDGET_S=${BUDGET_S} left"
+        status=1
+        continue
+    fi
+    mkdir -p "$OUT/$p"
+    echo "part $p: --model_size $model --optims $optims --seeds $seeds, budget ${left} s"
+    # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
+    python benchmarks/benchmark_convergence.py --model_size "$model" --device "${DEVICE:-cuda}" --optims "$optims" \
+        --seeds "$seeds" --skip_missing --budget_s "$left" --out "$OUT/$p" ${EXTRA_ARGS:-} 2>&1 \
+        | tee "$OUT/$p/log.txt" | grep -vE "it/s|s/it" || status=1
+    # the merge draws the plots and tables; a part keeps results.json and its log (few files to carry back)
+    rm -f "$OUT/$p/results.md" "$OUT/$p/val_loss.png"
+done
+exit $status
