@@ -198,3 +198,27 @@ def test_step_inside_torch_compile(small_chunks):
     for p, q in zip(a, b):
         assert torch.equal(p, q)
     _equal_state(oa, ob)
+
+
+def test_host_memory_stays_registered_while_the_states_use_it(monkeypatch):
+    """Each arena is page-locked until its tensor is freed (pinned_empty); the states and chunks view the fp32 arena
+    as fp32, a view that does not keep its base tensor, so the plan must. (On CUDA the states would otherwise be
+    unpinned after the first step, and every copy would wait.)"""
+    import weakref
+
+    freed = []
+    made = offload.pinned_empty
+
+    def recorded(nbytes):
+        t = made(nbytes)
+        weakref.finalize(t, freed.append, nbytes)
+        return t
+
+    monkeypatch.setattr(offload, "pinned_empty", recorded)
+    params = _params()
+    opt = AdamW8bit(params, lr=1e-2, offload_state=True, **SMALL)
+    _train(params, opt, 2)
+    import gc
+
+    gc.collect()
+    assert freed == []

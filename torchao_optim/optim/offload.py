@@ -70,7 +70,7 @@ def state_nbytes(state: Tensor) -> int:
 
 def pinned_empty(nbytes: int) -> Tensor:
     """An uninitialized uint8 CPU tensor of exactly ``nbytes``, page-locked where CUDA is available (unregistered
-    when the tensor is freed)."""
+    when this tensor object is freed: a view of it as another dtype does not keep it, a slice does)."""
     t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
     if torch.cuda.is_available():
         cudart = torch.cuda.cudart()
@@ -94,8 +94,11 @@ class OffloadChunk:
     """One launch's parameters: their states' bytes in the arenas and the slot they run in. ``segments`` pairs
     each arena's part (a typed 1-D view of host memory) with the same bytes in the slot."""
 
-    def __init__(self, plan: GroupPlan, segments: list[tuple[Tensor, Tensor]], slot: int, nbytes: int):
+    def __init__(self, plan: GroupPlan, segments: list[tuple[Tensor, Tensor]], slot: int, nbytes: int, arenas):
         self.plan, self.segments, self.slot, self.nbytes = plan, segments, slot, nbytes
+        # the arenas themselves: a view as another dtype does not keep its base tensor, whose end unregisters
+        # the host memory (pinned_empty)
+        self.arenas = arenas
 
     def copy_in(self, non_blocking: bool) -> None:
         for host, device in self.segments:
@@ -270,7 +273,7 @@ def plan_offloaded(
         plan = GroupPlan(k, chunk_params, shadows, rounding(chunk_params) if rounding is not None else None, pdl=False)
         for i, shadow in zip(idx, shadows):
             states[i]["step"] = shadow["step"]  # an alias into the plan's step counts
-        chunks.append(OffloadChunk(plan, segments, slot, size))
+        chunks.append(OffloadChunk(plan, segments, slot, size, arenas))
     cache.clear()
     # recorded after the states were moved into the arena and their steps re-pointed at the plans' counters
     cache.update(offload_key=key, chunks=chunks, states=StateSnapshot(states))
