@@ -310,11 +310,11 @@ def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
     return torch.load(os.path.join(out, f"{job.__name__}.pt"), weights_only=True)
 
 
-def two_ranks(out, cases=()):
+def two_ranks(out, cases=(), reshard=()):
     """On 2 gloo ranks: FSDP2 on the gradients of :func:`grads` for 3 steps, a DCP checkpoint, 3 more steps;
     the checkpoint resumed on 2 ranks, and on 1 (rank 0 alone, on a mesh and a checkpoint group of its own);
     training on each rank's half of a global batch with FSDP2 and with DDP; then each of ``cases``
-    (:func:`run_cases`)."""
+    (:func:`run_cases`), and each of ``reshard`` resharded 2 -> 1 -> 2 (:func:`resharded`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
@@ -372,6 +372,7 @@ def two_ranks(out, cases=()):
         assert all(p.grad is None for p in model.parameters())
     result["train_fsdp_in_backward"] = snapshot(model, opt)
     result["cases"] = run_cases(cases)
+    result["reshard"] = reshard_cases(os.path.join(out, "reshard"), reshard) if reshard else []
     return result
 
 
@@ -492,15 +493,21 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
     return results
 
 
+def reshard_worlds(world) -> tuple:
+    """The numbers of ranks a checkpoint is resharded through in a job of ``world`` ranks."""
+    return (4, 2, 1, 4) if world == 4 else (2, 1, 2)
+
+
 def resharded(case, out, groups) -> dict:
-    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again, ``STEPS`` steps each, each time resuming the
-    DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each stage."""
+    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again (in a 2-rank job: 2, 1, 2), ``STEPS`` steps each,
+    each time resuming the DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each
+    stage."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
 
     result, ckpt = {}, None
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(reshard_worlds(dist.get_world_size())):
         saved = os.path.join(out, f"{case}-{stage}")
         if dist.get_rank() < world:
             group = groups[world]
@@ -520,16 +527,52 @@ def resharded(case, out, groups) -> dict:
     return result
 
 
-def cases_job(out, cases, reshard=(), device="cpu"):
+def cases_job(out, cases, reshard=(), device="cpu", extras=()):
     """Each of ``cases`` (:func:`run_cases`, on meshes of ``device``), then each of ``reshard`` resharded
-    4 -> 2 -> 1 -> 4 (:func:`resharded`, on 4 ranks)."""
+    4 -> 2 -> 1 -> 4, or 2 -> 1 -> 2 on 2 ranks (:func:`resharded`), then each job of ``extras``."""
     result = {"cases": run_cases(cases, device=device)}
     if reshard:
-        if dist.get_world_size() != 4:
-            raise ValueError(f"resharding 4 -> 2 -> 1 -> 4 runs on 4 ranks, not {dist.get_world_size()}")
-        groups = {4: None, 2: dist.new_group([0, 1]), 1: dist.new_group([0])}  # every rank creates each
-        result["reshard"] = [resharded(case, out, groups) for case in reshard]
+        result["reshard"] = reshard_cases(out, reshard)
+    result["extras"] = [job() for job in extras]
     return result
+
+
+class EdgeShards(torch.nn.Module):
+    """Rank-1 scaled matrices whose shards are edge cases on 4 ranks: ``pos`` (1, 8, 512), a matrix of 8 rows of 512
+    whose dim 0 has one index (rank 0 holds all of it, the other ranks nothing), and ``small`` (3, 512): a row on
+    each of ranks 0-2 (a one-row shard is one row of the matrix, not a vector), none on rank 3."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, 512, generator=gen) * 0.1)
+        self.small = torch.nn.Parameter(torch.randn(3, 512, generator=gen) * 0.1)
+
+
+def edge_shards(model=None) -> dict:
+    """AdamW with "4bit_rank1" on :class:`EdgeShards`, fully sharded over every rank (or ``model`` as it is, on one
+    process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(EdgeShards()) if model is None else model
+    opt = AdamW(
+        model.parameters(), lr=LR, weight_decay=WD, state_format="4bit_rank1", min_quant_size=MIN_QUANT, compile=False
+    )
+    for step in range(STEPS):
+        set_grads(model, step)
+        opt.step()
+    return snapshot(model, opt)
+
+
+def reshard_cases(out, reshard) -> list:
+    """Each of ``reshard`` resharded through :func:`reshard_worlds` (:func:`resharded`), on 4 or 2 ranks."""
+    world = dist.get_world_size()
+    if world not in (2, 4):
+        raise ValueError(f"resharding runs on 4 ranks (4 -> 2 -> 1 -> 4) or 2 (2 -> 1 -> 2), not {world}")
+    groups = {world: None, 1: dist.new_group([0])}  # every rank creates each
+    if world == 4:
+        groups[2] = dist.new_group([0, 1])
+    return [resharded(case, out, groups) for case in reshard]
 
 
 def case_reference(case, stages=1) -> list:
@@ -859,11 +902,12 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
+    RESHARD = Case("AdamW", "4bit_rank1")
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()))
+            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()), [cls.RESHARD])
         cls.ref = reference(2 * STEPS)
 
     def test_sgd8bit_4bit_cpu_offload_policy_fused_c_step(self):
@@ -873,10 +917,19 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # through FSDP2's reduce-scatter and its post-accumulate-grad hooks, bit for bit single-process training
         self.check_case("lion_fp8_in_backward")
 
-    def test_muon8bit_adamw_fallback_and_rank1_kept_plain(self):
-        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters; "4bit_rank1" keeps
-        # plain fp32 state for sharded parameters (its column scales would span ranks)
+    def test_muon8bit_adamw_fallback_and_rank1(self):
+        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters, with "4bit_rank1"
+        # state: exp_avg_sq scaled by its rows' maxima and the column maxima all-reduced across the ranks
         self.check_case("muon_rank1_backward")
+
+    def test_rank1_dcp_reshard_2_1_2(self):
+        # AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows, an uneven shard), trained on 2 ranks on the fused C
+        # step but for its rank-1 states; saved by 2 ranks, loaded by 1 (each of its states from rows of both
+        # saved shards), saved again and loaded by 2: bit for bit single-process training after every load and
+        # every stage, the column maxima included
+        problems = reshard_problems(self.RESHARD, self.result["reshard"][0], world=2)
+        if problems:
+            self.fail("\n".join(problems))
 
     def test_bf16_stochastic_round(self):
         # each element rounds with the random bits of its index in the whole parameter: as on one process
@@ -934,12 +987,13 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
                 self.assertIs(type(ours[f"{name}.exp_avg"]), type(opt.state[p]["exp_avg"]), where)
 
 
-def reshard_problems(case, result) -> list[str]:
-    """:func:`resharded`'s snapshots against single-process training: after each load, those of the steps before,
-    and after each stage, those of its steps."""
-    refs = case_reference(case, 4)
+def reshard_problems(case, result, world=4) -> list[str]:
+    """:func:`resharded`'s snapshots (of a job on ``world`` ranks) against single-process training: after each load,
+    those of the steps before, and after each stage, those of its steps."""
+    worlds = reshard_worlds(world)
+    refs = case_reference(case, len(worlds))
     problems = []
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(worlds):
         if stage:
             problems += case_problems(case, result[f"loaded_{stage}"], refs[stage - 1], f": loaded on {world}", False)
         problems += case_problems(case, result[f"stage_{stage}"], refs[stage], f": trained on {world}")
@@ -967,7 +1021,7 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD])
+            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD], "cpu", [edge_shards])
 
     def test_hsdp(self):
         # fully_shard on a (replicate 2, shard 2) mesh: states (Replicate(), Shard(0)), blocks from the global shape
@@ -979,7 +1033,7 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_sgd8bit_fp8_step_in_backward(self):
         self.check_case("sgd_fp8_in_backward")
 
-    def test_lion8bit_rank1_kept_plain_bf16_stochastic_round(self):
+    def test_lion8bit_rank1_bf16_stochastic_round(self):
         self.check_case("lion_rank1_bf16_eager")
 
     def test_muon8bit_adamw_fallback_hsdp_cpu_offload(self):
@@ -990,6 +1044,16 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
 
     def test_dcp_reshard_4_2_1_4(self):
         problems = reshard_problems(self.RESHARD, self.result["reshard"][0])
+        if problems:
+            self.fail("\n".join(problems))
+
+    def test_rank1_empty_and_one_row_shards(self):
+        # Empty shards take part in the all-reduce of the column maxima (with zeros) and in the gather, and
+        # one-row shards keep their row: the same bits as one process (whose layouts these shapes do not change)
+        ref = edge_shards(EdgeShards())
+        ours = self.result["extras"][0]
+        self.assertEqual((ours["pos.exp_avg_sq"].rows, ours["small.exp_avg_sq"].rows), (8, 3))
+        problems = [p for key in ref for p in same_tensor_problems(ours[key], ref[key], key)]
         if problems:
             self.fail("\n".join(problems))
 
