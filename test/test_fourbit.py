@@ -124,6 +124,19 @@ class TestFourBitRank1(StateFormatTestCase):
             self.assertEqual([opt.state[p]["exp_avg_sq"].rows for p in params], [s[0] for s in shapes])
             self.assertLessEqual(counters["stats"]["unique_graphs"] - graphs, 2)
 
+    def test_rank1_write_back_traces_through_aot_autograd(self):
+        # A compiled update ends with the write-back of each mutated state: a copy_ between two compact rank-1
+        # states, field by field as every format's. Copied through views of absmax (as rows are, into a row slice),
+        # AOT autograd refused the graph and the optimizer fell back to eager mode.
+        def requantize(state, x):
+            state.copy_(x * 2)
+
+        x = torch.rand(8, 64)
+        compiled, eager = (FourBitRank1Tensor.zeros((8, 64), signed=False) for _ in range(2))
+        torch.compile(requantize, backend="aot_eager", fullgraph=True)(compiled, x)
+        requantize(eager, x)
+        assert_same_tensor(self, compiled, eager)
+
     def test_rank1_loads_the_layout_saved_before_row_marks(self):
         # checkpoints from before rows was also a size hold codes and absmax, with rows as an attribute
         q = FourBitRank1Tensor.from_float(torch.rand(6, 300), signed=False)

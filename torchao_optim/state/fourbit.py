@@ -353,7 +353,9 @@ def _copy_rank1(func, args, kwargs):
     # into rows of a state (DCP loads a saved shard's rows into a view of the new one): codes, row maxima and the
     # (shared) column maxima, each through its view
     dst, src = args[0], args[1]
-    if _rank1(dst) and _rank1(src) and dst.same_layout(src):
+    slices = getattr(dst, "_col_start", None) is not None or getattr(src, "_col_start", None) is not None
+    # (compact states, field by field: what compiled code's write-back of a mutated state takes)
+    if slices and _rank1(dst) and _rank1(src) and dst.same_layout(src):
         dst.codes.copy_(src.codes)
         for mine, theirs in zip(dst.maxima(), src.maxima()):
             mine.copy_(theirs)
