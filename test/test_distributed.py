@@ -551,17 +551,19 @@ class EdgeShards(torch.nn.Module):
 
 def edge_shards(model=None) -> dict:
     """AdamW with "4bit_rank1" on :class:`EdgeShards`, fully sharded over every rank (or ``model`` as it is, on one
-    process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole."""
+    process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole ("trained"); and of a new
+    optimizer that loaded its state dict dequantized (fp32 states, quantized anew: "reloaded")."""
     from torch.distributed.fsdp import fully_shard
 
     model = fully_shard(EdgeShards()) if model is None else model
-    opt = AdamW(
-        model.parameters(), lr=LR, weight_decay=WD, state_format="4bit_rank1", min_quant_size=MIN_QUANT, compile=False
-    )
+    options = dict(lr=LR, weight_decay=WD, state_format="4bit_rank1", min_quant_size=MIN_QUANT, compile=False)
+    opt = AdamW(model.parameters(), **options)
     for step in range(STEPS):
         set_grads(model, step)
         opt.step()
-    return snapshot(model, opt)
+    reloaded = AdamW(model.parameters(), **options)
+    reloaded.load_state_dict(dequantize_state_dict(opt.state_dict()))
+    return {"trained": snapshot(model, opt), "reloaded": snapshot(model, reloaded)}
 
 
 def reshard_cases(out, reshard) -> list:
@@ -1050,10 +1052,14 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_rank1_empty_and_one_row_shards(self):
         # Empty shards take part in the all-reduce of the column maxima (with zeros) and in the gather, and
         # one-row shards keep their row: the same bits as one process (whose layouts these shapes do not change)
+        # A state dict of fp32 DTensor states loads quantized with the column maxima all-reduced (each rank holds only
+        # its rows of them): as one process quantizes the whole.
         ref = edge_shards(EdgeShards())
         ours = self.result["extras"][0]
-        self.assertEqual((ours["pos.exp_avg_sq"].rows, ours["small.exp_avg_sq"].rows), (8, 3))
-        problems = [p for key in ref for p in same_tensor_problems(ours[key], ref[key], key)]
+        self.assertEqual((ours["trained"]["pos.exp_avg_sq"].rows, ours["trained"]["small.exp_avg_sq"].rows), (8, 3))
+        problems = [
+            p for what in ref for key in ref[what] for p in same_tensor_problems(ours[what][key], ref[what][key], key)
+        ]
         if problems:
             self.fail("\n".join(problems))
 
