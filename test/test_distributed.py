@@ -754,6 +754,34 @@ class TestShardedStep(expecttest.TestCase):
                     torch.equal(plain.to_local(), ours_opt.state[ours.fc1.weight]["exp_avg"].to_local().dequantize())
                 )
 
+    def test_load_a_single_process_rank1_state_dict(self):
+        # A whole "4bit_rank1" state (saved without sharding, in blocks of 32 as sharded) splits among ranks with no
+        # collective: each rank keeps its rows' codes and row maxima and the whole tensor's column maxima, exactly
+        # its rows of the whole state (fc2.weight: rows 0-33 and 34-66). A plain fp32 state (fc1.weight's, here) is
+        # quantized whole first, then split.
+        options = dict(cls=AdamW, state_format="4bit_rank1", block_size=32)
+        model = Net()
+        opt = optimizer(model, **options)
+        set_grads(model, 0)
+        opt.step()
+        saved = opt.state_dict()
+        fc1 = saved["state"][0]
+        fc1["exp_avg_sq"] = fc1["exp_avg_sq"].dequantize()
+        whole = {
+            "fc1.weight": get_state_format("4bit_rank1").from_float(fc1["exp_avg_sq"], signed=False, block_size=32),
+            "fc2.weight": opt.state[model.fc2.weight]["exp_avg_sq"],
+        }
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                ours = sharded(Net())
+                ours_opt = optimizer(ours, **options)
+                ours_opt.load_state_dict(saved)
+                for name, state in whole.items():
+                    rows = rows_of(rank, 2, state.shape[0])
+                    local = ours_opt.state[ours.get_parameter(name)]["exp_avg_sq"].to_local()
+                    assert_same_tensor(self, local, state[rows.start : rows.stop].clone(), f"rank {rank} {name}")
+                    self.assertEqual(local.absmax.shape, (local.rows + state.shape[1],))
+
     @unittest.skipUnless(fused_available("cpu"), "the fused executor needs Triton (its interpreter on the CPU)")
     def test_fused_executor_on_shards(self):
         # Triton's interpreter is slow: a small model; fc1.weight (23, 64) quantized in blocks of 64, 12 and 11
