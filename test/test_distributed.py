@@ -121,8 +121,9 @@ def optimizer(model, fused=False, cls=AdamW8bit, **kw):
 
 def sharded_block_size(shape, fmt: str) -> int | None:
     """The block size of the state of a parameter of global ``shape`` sharded along dim 0, in format ``fmt``; None
-    for plain fp32 state: the block rule (``row_aligned_block_size``, tested on its own below), for formats whose
-    scales cover one block each; a rank-1 format's column scales span ranks, so it keeps plain state."""
+    for plain fp32 state: the block rule (``row_aligned_block_size``, tested on its own below), for every built-in
+    format (a rank-1 format's scales are per row and per column, with the column maxima all-reduced, and its
+    blockwise ``exp_avg`` follows the rule)."""
     if fmt == "none" or math.prod(shape) < MIN_QUANT or not get_state_format(fmt).row_shardable:
         return None
     return row_aligned_block_size(shape, get_state_format(fmt).default_block_size)
@@ -309,11 +310,11 @@ def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
     return torch.load(os.path.join(out, f"{job.__name__}.pt"), weights_only=True)
 
 
-def two_ranks(out, cases=()):
+def two_ranks(out, cases=(), reshard=()):
     """On 2 gloo ranks: FSDP2 on the gradients of :func:`grads` for 3 steps, a DCP checkpoint, 3 more steps;
     the checkpoint resumed on 2 ranks, and on 1 (rank 0 alone, on a mesh and a checkpoint group of its own);
     training on each rank's half of a global batch with FSDP2 and with DDP; then each of ``cases``
-    (:func:`run_cases`)."""
+    (:func:`run_cases`), and each of ``reshard`` resharded 2 -> 1 -> 2 (:func:`resharded`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
@@ -371,6 +372,7 @@ def two_ranks(out, cases=()):
         assert all(p.grad is None for p in model.parameters())
     result["train_fsdp_in_backward"] = snapshot(model, opt)
     result["cases"] = run_cases(cases)
+    result["reshard"] = reshard_cases(os.path.join(out, "reshard"), reshard) if reshard else []
     return result
 
 
@@ -494,15 +496,21 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
     return results
 
 
+def reshard_worlds(world) -> tuple:
+    """The numbers of ranks a checkpoint is resharded through in a job of ``world`` ranks."""
+    return (4, 2, 1, 4) if world == 4 else (2, 1, 2)
+
+
 def resharded(case, out, groups) -> dict:
-    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again, ``STEPS`` steps each, each time resuming the
-    DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each stage."""
+    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again (in a 2-rank job: 2, 1, 2), ``STEPS`` steps each,
+    each time resuming the DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each
+    stage."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
 
     result, ckpt = {}, None
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(reshard_worlds(dist.get_world_size())):
         saved = os.path.join(out, f"{case}-{stage}")
         if dist.get_rank() < world:
             group = groups[world]
@@ -522,16 +530,54 @@ def resharded(case, out, groups) -> dict:
     return result
 
 
-def cases_job(out, cases, reshard=(), device="cpu"):
+def cases_job(out, cases, reshard=(), device="cpu", extras=()):
     """Each of ``cases`` (:func:`run_cases`, on meshes of ``device``), then each of ``reshard`` resharded
-    4 -> 2 -> 1 -> 4 (:func:`resharded`, on 4 ranks)."""
+    4 -> 2 -> 1 -> 4, or 2 -> 1 -> 2 on 2 ranks (:func:`resharded`), then each job of ``extras``."""
     result = {"cases": run_cases(cases, device=device)}
     if reshard:
-        if dist.get_world_size() != 4:
-            raise ValueError(f"resharding 4 -> 2 -> 1 -> 4 runs on 4 ranks, not {dist.get_world_size()}")
-        groups = {4: None, 2: dist.new_group([0, 1]), 1: dist.new_group([0])}  # every rank creates each
-        result["reshard"] = [resharded(case, out, groups) for case in reshard]
+        result["reshard"] = reshard_cases(out, reshard)
+    result["extras"] = [job() for job in extras]
     return result
+
+
+class EdgeShards(torch.nn.Module):
+    """Rank-1 scaled matrices whose shards are edge cases on 4 ranks: ``pos`` (1, 8, 512), a matrix of 8 rows of 512
+    whose dim 0 has one index (rank 0 holds all of it, the other ranks nothing), and ``small`` (3, 512): a row on
+    each of ranks 0-2 (a one-row shard is one row of the matrix, not a vector), none on rank 3."""
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1)
+        self.pos = torch.nn.Parameter(torch.randn(1, 8, 512, generator=gen) * 0.1)
+        self.small = torch.nn.Parameter(torch.randn(3, 512, generator=gen) * 0.1)
+
+
+def edge_shards(model=None) -> dict:
+    """AdamW with "4bit_rank1" on :class:`EdgeShards`, fully sharded over every rank (or ``model`` as it is, on one
+    process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole ("trained"); and of a new
+    optimizer that loaded its state dict dequantized (fp32 states, quantized anew: "reloaded")."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = fully_shard(EdgeShards()) if model is None else model
+    options = dict(lr=LR, weight_decay=WD, state_format="4bit_rank1", min_quant_size=MIN_QUANT, compile=False)
+    opt = AdamW(model.parameters(), **options)
+    for step in range(STEPS):
+        set_grads(model, step)
+        opt.step()
+    reloaded = AdamW(model.parameters(), **options)
+    reloaded.load_state_dict(dequantize_state_dict(opt.state_dict()))
+    return {"trained": snapshot(model, opt), "reloaded": snapshot(model, reloaded)}
+
+
+def reshard_cases(out, reshard) -> list:
+    """Each of ``reshard`` resharded through :func:`reshard_worlds` (:func:`resharded`), on 4 or 2 ranks."""
+    world = dist.get_world_size()
+    if world not in (2, 4):
+        raise ValueError(f"resharding runs on 4 ranks (4 -> 2 -> 1 -> 4) or 2 (2 -> 1 -> 2), not {world}")
+    groups = {world: None, 1: dist.new_group([0])}  # every rank creates each
+    if world == 4:
+        groups[2] = dist.new_group([0, 1])
+    return [resharded(case, out, groups) for case in reshard]
 
 
 def case_reference(case, stages=1) -> list:
@@ -564,22 +610,30 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
         problems.append(f"{what}: states not laid out as their parameters: {ours['misplaced']}")
     routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
     n_params = sum(1 for _ in Net().parameters())
+    # rank-1 scaled states (4bit_rank1's exp_avg_sq of a matrix): the per-parameter path, which all-reduces their
+    # column maxima, on every rank and executor (as on one process, where the fused kernels do not read them)
+    rank1 = sum(1 for k, v in ours.items() if k.endswith(".exp_avg_sq") and getattr(v, "rows", 0))
     if not stepped:
         pass
     elif case.executor == "fused":
-        if not routes or not all(line.startswith("  fused C step:") for line in routes):
+        spanning = [line for line in routes if "column maxima span ranks" in line]
+        if not routes or not all(line.startswith("  fused C step:") for line in routes if line not in spanning):
             problems.append(f"{what}: not every parameter takes the fused C step:\n{ours['explain']}")
-        if ours["plans"] != (n_params, 0):
-            problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params}, 0)")
+        if ours["plans"] != (n_params - rank1, rank1):
+            problems.append(
+                f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params - rank1}, {rank1})"
+            )
     elif case.executor == "offload_state":
         if not routes or not all("state streamed from host memory" in line for line in routes):
             problems.append(f"{what}: not every parameter's state is streamed from host memory:\n{ours['explain']}")
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
-    # the reference's layouts come from the block rule: a format whose scales cover one block each is quantized
+    if (case.fmt == "4bit_rank1" and case.opt in ("AdamW", "Muon8bit")) != (rank1 == 2):  # fc1, fc2
+        problems.append(f"{what}: {rank1} rank-1 scaled states")
+    # the reference's layouts come from the block rule: every format quantizes fc1.weight
     key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit", "Muon8bit") else "momentum_buffer")
     quantized = isinstance(ours.get(key), QuantizedState)
-    if quantized != (case.fmt not in ("none", "4bit_rank1")):
+    if quantized != (case.fmt != "none"):
         problems.append(f"{what}: {key} is a {type(ours.get(key)).__name__}")
     return problems
 
@@ -710,6 +764,34 @@ class TestShardedStep(expecttest.TestCase):
                 self.assertTrue(
                     torch.equal(plain.to_local(), ours_opt.state[ours.fc1.weight]["exp_avg"].to_local().dequantize())
                 )
+
+    def test_load_a_single_process_rank1_state_dict(self):
+        # A whole "4bit_rank1" state (saved without sharding, in blocks of 32 as sharded) splits among ranks with no
+        # collective: each rank keeps its rows' codes and row maxima and the whole tensor's column maxima, exactly
+        # its rows of the whole state (fc2.weight: rows 0-33 and 34-66). A plain fp32 state (fc1.weight's, here) is
+        # quantized whole first, then split.
+        options = dict(cls=AdamW, state_format="4bit_rank1", block_size=32)
+        model = Net()
+        opt = optimizer(model, **options)
+        set_grads(model, 0)
+        opt.step()
+        saved = opt.state_dict()
+        fc1 = saved["state"][0]
+        fc1["exp_avg_sq"] = fc1["exp_avg_sq"].dequantize()
+        whole = {
+            "fc1.weight": get_state_format("4bit_rank1").from_float(fc1["exp_avg_sq"], signed=False, block_size=32),
+            "fc2.weight": opt.state[model.fc2.weight]["exp_avg_sq"],
+        }
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                ours = sharded(Net())
+                ours_opt = optimizer(ours, **options)
+                ours_opt.load_state_dict(saved)
+                for name, state in whole.items():
+                    rows = rows_of(rank, 2, state.shape[0])
+                    local = ours_opt.state[ours.get_parameter(name)]["exp_avg_sq"].to_local()
+                    assert_same_tensor(self, local, state[rows.start : rows.stop].clone(), f"rank {rank} {name}")
+                    self.assertEqual(local.absmax.shape, (local.rows + state.shape[1],))
 
     @unittest.skipUnless(fused_available("cpu"), "the fused executor needs Triton (its interpreter on the CPU)")
     def test_fused_executor_on_shards(self):
@@ -891,11 +973,12 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
+    RESHARD = Case("AdamW", "4bit_rank1")
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()))
+            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()), [cls.RESHARD])
         cls.ref = reference(2 * STEPS)
 
     def test_sgd8bit_4bit_cpu_offload_policy_fused_c_step(self):
@@ -905,10 +988,19 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # through FSDP2's reduce-scatter and its post-accumulate-grad hooks, bit for bit single-process training
         self.check_case("lion_fp8_in_backward")
 
-    def test_muon8bit_adamw_fallback_and_rank1_kept_plain(self):
-        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters; "4bit_rank1" keeps
-        # plain fp32 state for sharded parameters (its column scales would span ranks)
+    def test_muon8bit_adamw_fallback_and_rank1(self):
+        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters, with "4bit_rank1"
+        # state: exp_avg_sq scaled by its rows' maxima and the column maxima all-reduced across the ranks
         self.check_case("muon_rank1_backward")
+
+    def test_rank1_dcp_reshard_2_1_2(self):
+        # AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows, an uneven shard), trained on 2 ranks on the fused C
+        # step but for its rank-1 states; saved by 2 ranks, loaded by 1 (each of its states from rows of both
+        # saved shards), saved again and loaded by 2: bit for bit single-process training after every load and
+        # every stage, the column maxima included
+        problems = reshard_problems(self.RESHARD, self.result["reshard"][0], world=2)
+        if problems:
+            self.fail("\n".join(problems))
 
     def test_bf16_stochastic_round(self):
         # each element rounds with the random bits of its index in the whole parameter: as on one process
@@ -966,12 +1058,13 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
                 self.assertIs(type(ours[f"{name}.exp_avg"]), type(opt.state[p]["exp_avg"]), where)
 
 
-def reshard_problems(case, result) -> list[str]:
-    """:func:`resharded`'s snapshots against single-process training: after each load, those of the steps before,
-    and after each stage, those of its steps."""
-    refs = case_reference(case, 4)
+def reshard_problems(case, result, world=4) -> list[str]:
+    """:func:`resharded`'s snapshots (of a job on ``world`` ranks) against single-process training: after each load,
+    those of the steps before, and after each stage, those of its steps."""
+    worlds = reshard_worlds(world)
+    refs = case_reference(case, len(worlds))
     problems = []
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(worlds):
         if stage:
             problems += case_problems(case, result[f"loaded_{stage}"], refs[stage - 1], f": loaded on {world}", False)
         problems += case_problems(case, result[f"stage_{stage}"], refs[stage], f": trained on {world}")
@@ -999,7 +1092,7 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD])
+            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD], "cpu", [edge_shards])
 
     def test_hsdp(self):
         # fully_shard on a (replicate 2, shard 2) mesh: states (Replicate(), Shard(0)), blocks from the global shape
@@ -1011,7 +1104,7 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_sgd8bit_fp8_step_in_backward(self):
         self.check_case("sgd_fp8_in_backward")
 
-    def test_lion8bit_rank1_kept_plain_bf16_stochastic_round(self):
+    def test_lion8bit_rank1_bf16_stochastic_round(self):
         self.check_case("lion_rank1_bf16_eager")
 
     def test_muon8bit_adamw_fallback_hsdp_cpu_offload(self):
@@ -1022,6 +1115,20 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
 
     def test_dcp_reshard_4_2_1_4(self):
         problems = reshard_problems(self.RESHARD, self.result["reshard"][0])
+        if problems:
+            self.fail("\n".join(problems))
+
+    def test_rank1_empty_and_one_row_shards(self):
+        # Empty shards take part in the all-reduce of the column maxima (with zeros) and in the gather, and
+        # one-row shards keep their row: the same bits as one process (whose layouts these shapes do not change)
+        # A state dict of fp32 DTensor states loads quantized with the column maxima all-reduced (each rank holds only
+        # its rows of them): as one process quantizes the whole.
+        ref = edge_shards(EdgeShards())
+        ours = self.result["extras"][0]
+        self.assertEqual((ours["trained"]["pos.exp_avg_sq"].rows, ours["trained"]["small.exp_avg_sq"].rows), (8, 3))
+        problems = [
+            p for what in ref for key in ref[what] for p in same_tensor_problems(ours[what][key], ref[what][key], key)
+        ]
         if problems:
             self.fail("\n".join(problems))
 

@@ -1,9 +1,11 @@
+import io
+
 import torch
 
 import torchao_optim
 from torchao_optim import Adam4bit, AdamW4bit, FourBitRank1Tensor, FourBitTensor
 from torchao_optim.state.fourbit import linear_map_without_zero, quadratic_map
-from torchao_optim.testing import StateFormatTestCase
+from torchao_optim.testing import StateFormatTestCase, assert_same_tensor
 
 
 class TestFourBit(StateFormatTestCase):
@@ -122,6 +124,19 @@ class TestFourBitRank1(StateFormatTestCase):
             self.assertEqual([opt.state[p]["exp_avg_sq"].rows for p in params], [s[0] for s in shapes])
             self.assertLessEqual(counters["stats"]["unique_graphs"] - graphs, 2)
 
+    def test_rank1_write_back_traces_through_aot_autograd(self):
+        # A compiled update ends with the write-back of each mutated state: a copy_ between two compact rank-1
+        # states, field by field as every format's. Copied through views of absmax (as rows are, into a row slice),
+        # AOT autograd refused the graph and the optimizer fell back to eager mode.
+        def requantize(state, x):
+            state.copy_(x * 2)
+
+        x = torch.rand(8, 64)
+        compiled, eager = (FourBitRank1Tensor.zeros((8, 64), signed=False) for _ in range(2))
+        torch.compile(requantize, backend="aot_eager", fullgraph=True)(compiled, x)
+        requantize(eager, x)
+        assert_same_tensor(self, compiled, eager)
+
     def test_rank1_loads_the_layout_saved_before_row_marks(self):
         # checkpoints from before rows was also a size hold codes and absmax, with rows as an attribute
         q = FourBitRank1Tensor.from_float(torch.rand(6, 300), signed=False)
@@ -145,12 +160,57 @@ class TestFourBitRank1(StateFormatTestCase):
             )
         )
 
-    def test_rank1_refuses_row_slices_and_bad_rows(self):
-        q = FourBitRank1Tensor.from_float(torch.rand(8, 512), signed=False)
-        with self.assertRaisesRegex(NotImplementedError, "rows=8"):
-            q[0:4]
+    def test_rank1_row_slices(self):
+        # Rows of a rank-1 state (DCP's resharding of a row-sharded state): the codes and row maxima of those rows,
+        # with the column maxima of the whole tensor, as views; they decode to those rows of the whole.
+        x = torch.rand(8, 512)
+        x[5, 3] = 40.0  # an outlier in a row outside the first slice: its column maximum is kept there
+        q = FourBitRank1Tensor.from_float(x, signed=False)
+        whole = q.dequantize()
+        top, bottom = q[0:3], q[3:8]
+        self.assertEqual((top.rows, bottom.rows), (3, 5))
+        self.assertTrue(torch.equal(top.maxima()[1], q.maxima()[1]))
+        self.assertTrue(torch.equal(top.dequantize(), whole[0:3]))
+        self.assertTrue(torch.equal(bottom.dequantize(), whole[3:8]))
+        # a copy, a pickle, a check: compact, as a state stored on its own
+        copy = top.clone()
+        self.assertEqual(copy.absmax.shape, (3 + 512,))
+        self.assertTrue(torch.equal(copy.dequantize(), whole[0:3]))
+        copy.check_fields()
+        top.check_fields()
+        buf = io.BytesIO()
+        torch.save(top, buf)
+        buf.seek(0)
+        self.assertTrue(torch.equal(torch.load(buf, weights_only=True).dequantize(), whole[0:3]))
+        # written into rows of another state, through the views: all of it, bit for bit
+        other = FourBitRank1Tensor.zeros((8, 512), signed=False)
+        other[3:8].copy_(bottom)
+        other[0:3].copy_(top)
+        self.assertTrue(torch.equal(other.codes, q.codes) and torch.equal(other.absmax, q.absmax))
+        # padded with zero rows (an uneven shard before an all-gather) and joined: the rows, then zeros
+        padded = torch.nn.functional.pad(bottom, (0, 0, 0, 2))
+        self.assertEqual((padded.shape, padded.rows), ((7, 512), 7))
+        self.assertTrue(torch.equal(padded.dequantize()[:5], whole[3:8]) and not padded.dequantize()[5:].any())
+        self.assertTrue(torch.equal(torch.cat([top, bottom]).absmax, q.absmax))
+        # rows cannot be requantized apart from the others: their column maxima are every row's
+        with self.assertRaisesRegex(NotImplementedError, "cannot be requantized on their own"):
+            top.copy_(torch.zeros(3, 512))
         with self.assertRaisesRegex(ValueError, "rows=7"):
             FourBitRank1Tensor.zeros((8, 512), signed=False, rows=7)
+
+    def test_rank1_row_shard_with_the_whole_column_maxima(self):
+        # a row shard quantized with the column maxima of the whole tensor holds exactly those rows of its state
+        x = torch.rand(8, 512)
+        x[6, 100] = 30.0
+        q = FourBitRank1Tensor.from_float(x, signed=False)
+        col_max = FourBitRank1Tensor.column_max(x, 8)
+        self.assertEqual(FourBitRank1Tensor.shared_columns((8, 512), signed=False), 512)
+        self.assertEqual(FourBitRank1Tensor.shared_columns((8, 512), signed=True), 0)
+        attrs = FourBitRank1Tensor.shard_attrs((8, 512), (1, 512), signed=False, block_size=128)
+        self.assertEqual(attrs["rows"], 1)  # one row of the matrix, not a vector
+        shard = FourBitRank1Tensor.zeros((1, 512), **attrs)
+        shard.assign(x[2:3], col_max=col_max)
+        assert_same_tensor(self, shard, q[2:3].clone())
 
     def test_rank1_in_adam(self):
         model = torch.nn.Linear(256, 64)

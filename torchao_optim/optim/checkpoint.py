@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.optim.sharded import is_dtensor, like_param, local, local_part
+from torchao_optim.optim.sharded_columns import quantize_shard
 from torchao_optim.optim.state_form import block_size_for, format_for, plain_state_dtype, state_device
 from torchao_optim.state import QuantizedState
 
@@ -222,28 +223,47 @@ def _checked_sharded_moment(optimizer, p: Tensor, fmt, block_size, key: str, val
             raise ValueError(f"{where}: {err}") from None
         same = fmt is not None and fmt.matches_layout(value, signed=optimizer._signed(key), block_size=block_size)
         # the same layout: this rank's rows are whole blocks of it (an exact slice); otherwise convert
-        value = local_part(p, value if same else value.dequantize(torch.float32))
+        value = local_part(p, value if same else _whole(optimizer, p, fmt, block_size, key, value))
     else:
-        value = local_part(p, value)
-    return like_param(p, _checked_local(optimizer, local(p), fmt, block_size, key, value, where))
+        value = local_part(p, _whole(optimizer, p, fmt, block_size, key, value))
+    return like_param(p, _checked_local(optimizer, local(p), fmt, block_size, key, value, where, shard=p))
 
 
-def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor, where: str) -> Tensor:
+def _whole(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor) -> Tensor:
+    """A whole state of another form, for ``p``'s ranks to take their rows of: dequantized; or, for a format whose
+    column statistics span ranks, quantized whole (every rank holds it all), so that the rows a rank takes are
+    those of the whole tensor's state, with no collective. Checked by :func:`_checked_local` as every rank's
+    part is: a value it refuses is returned as it is."""
+    plain = value.dequantize(torch.float32) if isinstance(value, QuantizedState) else value
+    if fmt is None or not fmt.shared_columns(p.shape, signed=optimizer._signed(key)):
+        return plain
+    if not plain.is_floating_point() or plain.is_meta or not torch.isfinite(plain).all():
+        return plain
+    if not optimizer._signed(key) and (plain < 0).any():
+        return plain
+    return fmt.from_float(plain.float(), signed=optimizer._signed(key), block_size=block_size)
+
+
+def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tensor, where: str, shard=None) -> Tensor:
     """``value`` (a plain tensor or a quantized state, of ``p``'s shape) checked and converted to ``fmt`` with
     ``block_size`` (None: plain state) where the optimizer keeps ``p``'s state (its device, or host memory with
-    ``offload_state``)."""
+    ``offload_state``). ``shard``: the DTensor parameter whose local shard ``p`` is; its state's attributes are
+    a row shard's, and a conversion whose column statistics span ranks all-reduces them (a collective)."""
     device = state_device(optimizer, p)
+    signed = optimizer._signed(key)
+    attrs = dict(signed=signed, block_size=block_size)
+    if shard is not None and fmt is not None:
+        attrs = fmt.shard_attrs(shard.shape, p.shape, **attrs)
     if value.shape != p.shape:
         raise ValueError(
             f"{where}: this rank's part has shape {tuple(value.shape)}; expected the local shard's {tuple(p.shape)}"
         )
-    signed = optimizer._signed(key)
     if isinstance(value, QuantizedState):
         try:
             value.check_fields()
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from None
-        if fmt is not None and fmt.matches_layout(value, signed=signed, block_size=block_size):
+        if fmt is not None and fmt.matches_layout(value, **attrs):
             # the layout this optimizer uses: the codes are kept as they are (exact resume)
             return value.to(device=device, dtype=torch.float32, copy=True)
         value = value.dequantize(torch.float32)
@@ -256,4 +276,6 @@ def _checked_local(optimizer, p: Tensor, fmt, block_size, key: str, value: Tenso
         raise ValueError(f"{where} must be {rule}; element {i} (flat) holds {value.reshape(-1)[i].item()}")
     if fmt is None:
         return value.to(device=device, dtype=plain_state_dtype(p), copy=True).contiguous()
-    return fmt.from_float(value.to(device=device, dtype=torch.float32), signed=signed, block_size=block_size)
+    if shard is not None:
+        return quantize_shard(shard, fmt, value.to(device=device, dtype=torch.float32), **attrs)
+    return fmt.from_float(value.to(device=device, dtype=torch.float32), **attrs)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from torchao_optim.optim.fused import check_state_shapes
 from torchao_optim.optim.sharded import local
+from torchao_optim.optim.sharded_columns import ColumnReduce
 from torchao_optim.quant.rounding import rounding_key
 from torchao_optim.state import QuantizedState
 
@@ -110,6 +111,7 @@ def step_compiled(optimizer, params: list[Tensor], states: list[dict], group) ->
     """The step of ``params`` on the compiled path: step counts advanced and coefficients computed per device
     (a handful of small kernels, not a handful per parameter), then each parameter's ``_step_one``."""
     check_state_shapes(params, states, optimizer.STATE_KEYS, optimizer._rounding)
+    columns = ColumnReduce.for_step(params)  # states whose column maxima span ranks (optim/sharded_columns.py)
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):
         by_device.setdefault(p.device, []).append(i)
@@ -125,7 +127,10 @@ def step_compiled(optimizer, params: list[Tensor], states: list[dict], group) ->
         keys = round_keys(optimizer, [params[i] for i in idx], steps, group, device)
         for row, i in enumerate(idx, start=1):
             p = params[i]
+            state = states[i] if columns is None else columns.stage(p, states[i])
             if local(p).numel() == 0:
                 continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
             key = keys[row] if keys is not None and p.dtype == torch.bfloat16 else None
-            optimizer._step_one(p, states[i], group, rows64[row] if p.dtype == torch.float64 else rows32[row], key)
+            optimizer._step_one(p, state, group, rows64[row] if p.dtype == torch.float64 else rows32[row], key)
+    if columns is not None:
+        columns.finish()

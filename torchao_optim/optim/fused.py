@@ -30,6 +30,7 @@ from torchao_optim.kernels import triton_interpreter
 from torchao_optim.kernels.tables import flat_shift, layout_tables
 from torchao_optim.optim import launch
 from torchao_optim.optim.sharded import local
+from torchao_optim.optim.sharded_columns import spans_ranks
 from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.rules import FusedRule
 from torchao_optim.state.layout import PLAIN_FP32
@@ -114,6 +115,8 @@ def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False
     implements the group's rule; :func:`unfused_reason` says why). CPU parameters go to the C kernels of
     :mod:`torchao_optim.kernels.cpu`, or with ``interpreter`` (and ``TRITON_INTERPRET=1``) to the Triton kernels in
     Triton's interpreter, for testing them. A DTensor parameter is planned through its local shard."""
+    if spans_ranks(p, state):
+        return None
     p, grad = local(p), local(p.grad)
     why, executor, layouts = _refusal(p, grad, state, rule, interpreter)
     if why is not None:
@@ -125,7 +128,13 @@ def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False
 def unfused_reason(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter: bool = False) -> str | None:
     """Why no fused kernel can update ``p`` (with gradient ``grad`` and states ``state``, a dict) with ``rule``, or
     None where one can: what :func:`plan_key` decides, in words (``optimizer.explain()``)."""
+    if spans_ranks(p, state):
+        return _SPANS_RANKS
     return _refusal(local(p), local(grad), state, rule, interpreter)[0]
+
+
+# on every rank, an empty shard's too: the step all-reduces the column maxima (optim/sharded_columns.py)
+_SPANS_RANKS = "its rank-1 scaled state's column maxima span ranks: the per-parameter path all-reduces them"
 
 
 def fused_executor(p: Tensor, interpreter: bool = False) -> str:

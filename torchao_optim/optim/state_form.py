@@ -20,6 +20,7 @@ __all__ = [
     "new_state_tensor",
     "offloads",
     "plain_state_dtype",
+    "state_attrs",
     "state_device",
     "state_tensors",
 ]
@@ -80,8 +81,16 @@ def new_state_tensor(optimizer, p: Tensor, group, signed: bool, device: torch.de
     if fmt is None:
         state = torch.zeros(lp.shape, dtype=plain_state_dtype(p), device=device)
     else:
-        state = fmt.zeros(lp.shape, signed=signed, block_size=block_size_for(p, group, fmt), device=device)
+        state = fmt.zeros(lp.shape, device=device, **state_attrs(p, group, fmt, signed))
     return like_param(p, state) if is_dtensor(p) else state
+
+
+def state_attrs(p: Tensor, group, fmt: type, signed: bool) -> dict:
+    """The attributes ``fmt`` is asked for when it stores ``p``'s state: ``signed`` and the block size, and for a
+    DTensor parameter what the format adds for a row shard (``QuantizedState.shard_attrs``: rank-1 scales count
+    the rows of the whole tensor's matrix that the shard holds)."""
+    attrs = dict(signed=signed, block_size=block_size_for(p, group, fmt))
+    return fmt.shard_attrs(p.shape, local(p).shape, **attrs) if is_dtensor(p) else attrs
 
 
 def is_own_moment(optimizer, p: Tensor, group, key: str, value) -> bool:
@@ -99,9 +108,7 @@ def is_own_moment(optimizer, p: Tensor, group, key: str, value) -> bool:
     fmt = format_for(p, group)
     if fmt is None:
         return type(lv) is Tensor and lv.dtype == plain_state_dtype(p) and lv.is_contiguous()
-    return type(lv) is fmt and lv.attrs() == fmt._attrs(
-        signed=optimizer._signed(key), block_size=block_size_for(p, group, fmt)
-    )
+    return type(lv) is fmt and fmt.matches_layout(lv, **state_attrs(p, group, fmt, optimizer._signed(key)))
 
 
 def state_tensors(optimizer, group, params: list[Tensor], states: list[dict]) -> list[Tensor]:

@@ -162,13 +162,28 @@ class QuantizedState(torch.Tensor):
         return cls(shape, dtype, **cls.zeros_fields(shape, device, **attrs), **attrs)
 
     @classmethod
-    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int) -> bool:
+    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int, **attrs) -> bool:
         """Whether ``value`` (a state loaded from a checkpoint, of the parameter's shape) is laid out exactly as this
-        format stores a new state for an optimizer that asks for ``signed`` and ``block_size``: then its codes are
-        kept as they are (exact resume); otherwise it is dequantized and quantized anew. The default compares the
-        attributes; a format whose attributes also follow from the shape (a scale per row, not per block of
-        ``block_size``) overrides it, and must, or each load requantizes its states."""
-        return type(value) is cls and value.attrs() == cls._attrs(signed=signed, block_size=block_size)
+        format stores a new state for an optimizer that asks for ``signed`` and ``block_size`` (and ``attrs``: those
+        :meth:`shard_attrs` adds for a row shard): then its codes are kept as they are (exact resume); otherwise it
+        is dequantized and quantized anew. The default compares the attributes; a format whose attributes also
+        follow from the shape (a scale per row, not per block of ``block_size``) overrides it, and must, or each
+        load requantizes its states."""
+        return type(value) is cls and value.attrs() == cls._attrs(signed=signed, block_size=block_size, **attrs)
+
+    # ---- row shards (FSDP2's Shard(0)) -------------------------------------------------------------------
+    @classmethod
+    def shared_columns(cls, shape: Sequence[int], **attrs) -> int:
+        """How many per-column statistics every row shard of a state of global ``shape`` shares with the others
+        (all-reduced by the step: ``optim/sharded_columns.py``). 0, the default: every scale covers one block of
+        one row, and a shard's state depends on its rows alone."""
+        return 0
+
+    @classmethod
+    def shard_attrs(cls, shape: Sequence[int], local_shape: Sequence[int], **attrs) -> dict:
+        """The attributes of the state of a row shard of ``local_shape`` of a tensor of global ``shape``, from
+        those of the whole tensor's (``signed``, ``block_size``): the same, by default."""
+        return attrs
 
     @classmethod
     def check_values(cls, x: torch.Tensor, **attrs) -> None:

@@ -21,6 +21,12 @@ two or more dimensions: element ``(i, j)`` of the ``(rows, numel / rows)`` matri
 ``min(row_max[i], col_max[j])`` instead of its block's absmax, which adapts to rows and columns of outliers.
 Its scales are not blockwise, so the fused CUDA kernels (which read one absmax per block) do not take it:
 its parameters take the per-parameter compiled path.
+
+Sharded by rows (FSDP2's ``Shard(0)``), each rank holds whole rows: their row maxima are its own, but a column's
+maximum spans every rank. Each rank's state stores its rows' codes and row maxima and the column maxima of the whole
+tensor, which the step all-reduces before it requantizes (``optim/sharded_columns.py``): the same codes, row maxima
+and column maxima as one process. A slice of rows (a checkpoint's resharding) keeps the column maxima it was
+quantized with, so it is exactly those rows of the whole state.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 
 from torchao_optim.quant import dynamic_map_values, pack_nibbles, quantize_nearest, unpack_nibbles
 from torchao_optim.quant.blockwise import TINY, codebook_tensor
-from torchao_optim.state.base import QuantizedState, _slice, aten
+from torchao_optim.state.base import _OPS, QuantizedState, _copy_, _slice, _slice_bound, aten
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
 from torchao_optim.state.registry import register_state_format
@@ -101,7 +107,12 @@ class FourBitRank1Tensor(FourBitTensor):
     """
 
     attr_fields = ("signed", "block_size", "rows")
-    row_shardable = False  # a column's maximum spans every rank's rows
+    # Shard(0): every rank quantizes its own rows, with the column maxima all-reduced (shared_columns says how many)
+    row_shardable = True
+    # A row slice that does not end at the last row (rows [a:b] for DCP's resharding): its ``absmax`` is a view that
+    # starts at row a's maximum and runs to the end of the column maxima, which start at this index. None: compact,
+    # ``rows`` row maxima then the column maxima (every stored state, and every state compiled code sees).
+    _col_start: int | None = None
 
     @classmethod
     def tensor_fields(cls) -> tuple[str, ...]:
@@ -152,9 +163,9 @@ class FourBitRank1Tensor(FourBitTensor):
         return dict(super()._attrs(**attrs), rows=0 if rows is None else rows)
 
     @classmethod
-    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int) -> bool:
-        # rows follows from the shape, as for a new state of it
-        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size)))
+    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int, **attrs) -> bool:
+        # rows follows from the shape, as for a new state of it (or from the whole tensor's, for a row shard's)
+        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size, **attrs)))
         return type(value) is cls and value.attrs() == expected
 
     @classmethod
@@ -172,7 +183,9 @@ class FourBitRank1Tensor(FourBitTensor):
         return None if self.rows else super().fast_path_layout()
 
     @classmethod
-    def quantize_fields(cls, x, **attrs):
+    def quantize_fields(cls, x, col_max=None, **attrs):
+        """As every format's; ``col_max`` (rank-1 scales only): the column maxima to scale by, those of the whole
+        tensor where ``x`` is a row shard of it (``shared_columns``), instead of ``x``'s own."""
         rows = attrs["rows"]
         if not rows:
             return super().quantize_fields(x, **attrs)
@@ -182,7 +195,8 @@ class FourBitRank1Tensor(FourBitTensor):
         # through the flat shape: reshaping the optimizer's (blocks, block_size) view straight to (rows, cols)
         # would guard on how the two divide, and compile a graph per row count after all
         matrix = finite.reshape(-1).view(rows, -1)  # (rows, cols)
-        row_max, col_max = matrix.amax(dim=1), matrix.amax(dim=0)  # (rows,), (cols,)
+        row_max = matrix.amax(dim=1)  # (rows,)
+        col_max = matrix.amax(dim=0) if col_max is None else col_max  # (cols,)
         scale = _element_scales(row_max, col_max, x)
         lift = torch.where(scale < TINY, 2.0**64, 1.0)  # as quant.blockwise.normalize: a subnormal scale
         y = x * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
@@ -206,8 +220,69 @@ class FourBitRank1Tensor(FourBitTensor):
         numel = self.numel()
         codes = unpack_nibbles(self.codes, numel).to(torch.int64)
         values = codebook_tensor(layout.codebook, self.codes)[codes]
-        scale = _element_scales(self.absmax[: self.rows], self.absmax[self.rows :], values)
+        scale = _element_scales(*self.maxima(), values)
         return (values * scale).view(self.shape).to(dtype or self.dtype)
+
+    def maxima(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(row maxima, column maxima)`` of a rank-1 scaled state (``rows > 0``): views of ``absmax``."""
+        start = self.rows if self._col_start is None else self._col_start
+        return self.absmax[: self.rows], self.absmax[start:]
+
+    # ---- row shards (FSDP2's Shard(0)): the column maxima of the whole tensor --------------------------------
+    @classmethod
+    def shared_columns(cls, shape: Sequence[int], **attrs) -> int:
+        """How many column maxima a state of global ``shape`` shares across its row shards: its columns, for a
+        rank-1 scaled state (``signed=False``, two or more dimensions besides leading ones); else 0."""
+        rows = cls._with_rows(shape, {"signed": attrs.get("signed")})["rows"]
+        return torch.Size(shape).numel() // rows if rows else 0
+
+    @classmethod
+    def shard_attrs(cls, shape: Sequence[int], local_shape: Sequence[int], **attrs) -> dict:
+        """The attributes of the state of a row shard of ``local_shape`` of a tensor of global ``shape``: its rows
+        are rows of the whole tensor's matrix, whatever its own shape says (a shard of one row is no vector)."""
+        cols = cls.shared_columns(shape, **attrs)
+        return dict(attrs, rows=torch.Size(local_shape).numel() // cols if cols else 0)
+
+    @classmethod
+    def column_max(cls, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """The column maxima ``quantize_fields`` would take from ``x`` read as ``rows`` rows (fp32 ``(cols,)``)."""
+        finite = torch.where(torch.isfinite(x), x.float().abs(), 0.0)
+        return finite.reshape(-1).view(rows, -1).amax(dim=0)
+
+    def assign(self, value: torch.Tensor, col_max: torch.Tensor | None = None) -> QuantizedState:
+        """As every format's; with ``col_max``, scaled by those column maxima (see ``quantize_fields``)."""
+        if self._col_start is not None:
+            raise NotImplementedError(
+                f"{type(self).__name__}: rows of a rank-1 normalized state (rows={self.rows}) cannot be "
+                f"requantized on their own: their column maxima are those of every row; write the whole state"
+            )
+        if not self.rows:
+            return super().assign(value)
+        value = value.expand(self.shape) if value.shape != self.shape else value
+        new = self.quantize_fields(value, col_max=col_max, **self.attrs())
+        for name in self.data_fields():
+            getattr(self, name).copy_(new[name])
+        return self
+
+    def compact(self) -> FourBitRank1Tensor:
+        """This state with its own ``absmax`` (``rows`` row maxima, then the column maxima): itself if it is
+        compact, a copy if it is a row slice (``_col_start``)."""
+        if self._col_start is None:
+            return self
+        row_max, col_max = self.maxima()
+        fields = dict(self.fields(), codes=self.codes.clone(), absmax=torch.cat([row_max, col_max]))
+        return type(self)(self.shape, self.dtype, **fields, **self.attrs())
+
+    def _new(self, fields, shape=None, dtype=None):
+        out = super()._new(fields, shape=shape, dtype=dtype)
+        out._col_start = self._col_start  # a view (detach, alias, view) of a row slice is one too
+        return out
+
+    def check_fields(self) -> None:
+        super(FourBitRank1Tensor, self.compact()).check_fields()
+
+    def __reduce_ex__(self, protocol):
+        return super(FourBitRank1Tensor, self.compact()).__reduce_ex__(protocol)
 
 
 def _element_scales(row_max: torch.Tensor, col_max: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -219,13 +294,162 @@ def _element_scales(row_max: torch.Tensor, col_max: torch.Tensor, like: torch.Te
     return torch.minimum(row_max[:, None], col_max[None, :]).view(-1).view(like.shape)
 
 
+def _rows_per_dim0(self) -> int:
+    """How many rows of the ``(rows, cols)`` matrix one index of dim 0 holds: 1, or all of them where dim 0 is one
+    of the leading dimensions of size one (a ``(1, 197, 768)`` position embedding)."""
+    if not self.shape or self.shape[0] == 0 or self.rows % self.shape[0]:
+        raise ValueError(
+            f"{type(self).__name__}: dim 0 of shape {tuple(self.shape)} does not split its {self.rows} rows evenly"
+        )
+    return self.rows // self.shape[0]
+
+
+def _rank1(t) -> bool:
+    return isinstance(t, FourBitRank1Tensor) and bool(t.rows)
+
+
 @FourBitRank1Tensor.implements_op([aten.slice.Tensor])
 def _slice_rank1(func, args, kwargs):
-    # row shards (FSDP-style chunking): a shard of a rank-1 state would need the column maxima of every row
+    # rows of a row-sharded state (DCP's resharding, a single-process state split among ranks): the codes and row
+    # maxima of those rows, and the column maxima of the whole, all views
     self = args[0]
-    if self.rows:
+    if not self.rows:
+        return _slice(func, args, kwargs)
+    dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1 :])[:4]
+    dim = dim % self.dim()
+    size = self.shape[0]
+    start = _slice_bound(start, 0, size)
+    end = max(start, _slice_bound(end, size, size))
+    if dim != 0 or (step != 1 and end - start > 1):
         raise NotImplementedError(
-            f"{type(self).__name__}: a rank-1 normalized state (rows={self.rows}) cannot be "
-            f"sliced: its column maxima span every row; dequantize first"
+            f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, got dim={dim}, step={step}"
         )
-    return _slice(func, args, kwargs)
+    if (start, end) == (0, size):
+        return self._new(self.fields())
+    shape = (end - start,) + tuple(self.shape[1:])
+    if start == end:  # no rows: an empty state, which holds no scale
+        return type(self).zeros(shape, device=self.device, dtype=self.dtype, **dict(self.attrs(), rows=0))
+    k = _rows_per_dim0(self)
+    cols = self.numel() // self.rows
+    first, last = start * k * cols, end * k * cols  # elements
+    if first % 2:
+        raise ValueError(
+            f"{type(self).__name__}: rows [{start}:{end}] start at element {first}, within a byte of two 4-bit codes"
+        )
+    col_start = self.rows if self._col_start is None else self._col_start
+    fields = dict(
+        self.fields(),
+        codes=self.codes[first // 2 : (last + 1) // 2],
+        absmax=self.absmax[start * k :],
+        row_marks=self.row_marks[start * k : end * k],
+    )
+    out = type(self)(shape, self.dtype, **fields, **dict(self.attrs(), rows=(end - start) * k))
+    out._col_start = col_start - start * k
+    return out
+
+
+@FourBitRank1Tensor.implements_op([aten.copy_.default])
+def _copy_rank1(func, args, kwargs):
+    # into rows of a state (DCP loads a saved shard's rows into a view of the new one): codes, row maxima and the
+    # (shared) column maxima, each through its view
+    dst, src = args[0], args[1]
+    slices = getattr(dst, "_col_start", None) is not None or getattr(src, "_col_start", None) is not None
+    # (compact states, field by field: what compiled code's write-back of a mutated state takes)
+    if slices and _rank1(dst) and _rank1(src) and dst.same_layout(src):
+        dst.codes.copy_(src.codes)
+        for mine, theirs in zip(dst.maxima(), src.maxima()):
+            mine.copy_(theirs)
+        return dst
+    return _copy_(func, args, kwargs)
+
+
+@FourBitRank1Tensor.implements_op([aten.clone.default, aten._to_copy.default])
+def _copy_compact(func, args, kwargs):
+    # a copy of a row slice is a state of its own: compact
+    self = args[0]
+    return _OPS[func](func, (self.compact(),) + tuple(args[1:]), kwargs)
+
+
+@FourBitRank1Tensor.implements_op([aten.new_zeros.default, aten.new_empty.default])
+def _new_zeros_rank1(func, args, kwargs):
+    # another shape: its rows follow from it, as for a new state
+    self, size = args[0], args[1]
+    attrs = self.attrs() if torch.Size(size) == self.shape else dict(self.attrs(), rows=None)
+    return type(self).zeros(
+        size, device=kwargs.get("device") or self.device, dtype=kwargs.get("dtype") or self.dtype, **attrs
+    )
+
+
+@FourBitRank1Tensor.implements_op([aten.constant_pad_nd.default])
+def _pad_rank1(func, args, kwargs):
+    # DTensor pads an uneven shard with zero rows before an all-gather (Shard(0) -> Replicate): zero row maxima,
+    # which decode to 0 whatever the column maxima and count for none of them. An empty shard's state (rows=0)
+    # pads as a blockwise one: the all-gather tells its zeros apart.
+    self, pad = args[0], list(args[1])
+    value = args[2] if len(args) > 2 else kwargs.get("value", 0)
+    if not self.rows:
+        return _OPS[func](func, args, kwargs)
+    if value != 0 or any(pad[:-1]) or len(pad) != 2 * self.dim() or pad[-1] < 0:
+        raise NotImplementedError(
+            f"{type(self).__name__}: padding is supported with zeros after the last row only, "
+            f"got pad={pad}, value={value}"
+        )
+    if not pad[-1]:
+        return self
+    self, after = self.compact(), pad[-1] * _rows_per_dim0(self)
+    row_max, col_max = self.maxima()
+    codes = self.codes.new_zeros(after * (self.numel() // self.rows) // 2)
+    fields = dict(codes=torch.cat([self.codes, codes]), absmax=torch.cat([row_max, row_max.new_zeros(after), col_max]))
+    shape = (self.shape[0] + pad[-1],) + tuple(self.shape[1:])
+    return type(self)(shape, self.dtype, **fields, **dict(self.attrs(), rows=self.rows + after))
+
+
+@FourBitRank1Tensor.implements_op([aten.cat.default])
+def _cat_rank1(func, args, kwargs):
+    # rows of rank-1 states, one after another (each part's rows whole bytes of codes)
+    tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
+    parts = [t for t in tensors if t.numel()]
+    if not parts or not all(_rank1(t) for t in parts):
+        return _OPS[func](func, args, kwargs)
+    if dim % parts[0].dim() != 0 or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
+        raise NotImplementedError(f"cat of rank-1 states is supported along dim 0 only, got dim={dim}")
+    parts = [t.compact() for t in parts]
+    if any(t.numel() % 2 for t in parts[:-1]):
+        raise ValueError("cat of rank-1 states: a part of an odd number of elements would split a byte of codes")
+    maxima = [t.maxima() for t in parts]
+    # every part's column maxima are the whole tensor's (a part quantized on its own: its own; then their maximum
+    # would not be what its codes were scaled by)
+    if any(not torch.equal(m[1], maxima[0][1]) for m in maxima):
+        raise ValueError("cat of rank-1 states: the parts were scaled by different column maxima")
+    fields = dict(codes=torch.cat([t.codes for t in parts]), absmax=torch.cat([*(m[0] for m in maxima), maxima[0][1]]))
+    shape = (sum(t.shape[0] for t in parts),) + tuple(parts[0].shape[1:])
+    return type(parts[0])(shape, parts[0].dtype, **fields, **dict(parts[0].attrs(), rows=sum(t.rows for t in parts)))
+
+
+if torch.distributed.is_available() and hasattr(torch.ops, "_c10d_functional"):
+    _c10d = torch.ops._c10d_functional
+
+    @FourBitRank1Tensor.implements_op([_c10d.all_gather_into_tensor.default])
+    def _all_gather_rank1(func, args, kwargs):
+        # DTensor.full_tensor() of a row-sharded state, each shard padded to the same rows: every shard's codes
+        # and row maxima end to end, and the column maxima (the whole tensor's on every rank). An empty shard's
+        # padding is a blockwise zero state, whose absmax has another length: the ranks first gather how each
+        # shard is laid out (a few integers), then pad every absmax to the longest.
+        self, group_size, group_name = args
+        if self.signed:  # blockwise on every rank
+            return _OPS[func](func, args, kwargs)
+        self = self.compact()
+        mine = torch.tensor([self.rows, self.absmax.numel()], dtype=torch.int64, device=self.absmax.device)
+        layouts = _c10d.wait_tensor.default(func(mine, group_size, group_name)).view(group_size, 2).tolist()
+        if not any(rows for rows, _ in layouts):  # a vector on every rank: blockwise
+            return _OPS[func](func, args, kwargs)
+        longest = max(n for _, n in layouts)
+        absmax = torch.nn.functional.pad(self.absmax, (0, longest - self.absmax.numel()))
+        codes = _c10d.wait_tensor.default(func(self.codes, group_size, group_name))
+        absmax = _c10d.wait_tensor.default(func(absmax, group_size, group_name)).view(group_size, longest)
+        rows = next(rows for rows, _ in layouts if rows)  # every shard holds as many rows, padding included
+        row_maxes = [a[:r] if r else a.new_zeros(rows) for a, (r, _) in zip(absmax, layouts)]
+        col_maxes = [a[r:n] for a, (r, n) in zip(absmax, layouts) if r]
+        fields = dict(codes=codes, absmax=torch.cat([*row_maxes, torch.stack(col_maxes).amax(0)]))
+        shape = (self.shape[0] * group_size,) + tuple(self.shape[1:])
+        return type(self)(shape, self.dtype, **fields, **dict(self.attrs(), rows=rows * group_size))
