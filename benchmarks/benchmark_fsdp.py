@@ -9,8 +9,9 @@ Two parts, both on by default:
   DCP checkpoint saved after 3 steps and loaded into a fresh model must resume bit for bit.
 - ``--bench``: the optimizer step of a sharded geometry (default TinyLlama-1.1B, fp32 parameters): first step
   (compiling included), median step time (CUDA events; the slowest rank's median), optimizer state bytes per
-  rank and the step's transient peak memory, for AdamW8bit (fused and compiled executors), torch's AdamW
-  (fused, foreach) and, when importable, torchao's AdamW8bit: all under the same FSDP2 sharding.
+  rank and the step's transient peak memory, for AdamW8bit (fused and compiled executors, and with
+  ``offload_state=True`` on GPUs), AdamW4bit, AdamW with ``"4bit_rank1"`` state, torch's AdamW (fused, foreach)
+  and, when importable, torchao's AdamW8bit: all under the same FSDP2 sharding.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py            # GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py --device cpu --geometry tiny  # CPU, gloo (smoke)
@@ -234,9 +235,16 @@ def sharded_params(shapes: list[Shape], device, dtype) -> tuple[torch.nn.Module,
 
 
 def optimizers(device) -> dict[str, Callable]:
-    f: dict[str, Callable] = {"ours_dtq8": lambda ps: torchao_optim.AdamW8bit(ps)}
+    f: dict[str, Callable] = {
+        "ours_dtq8": lambda ps: torchao_optim.AdamW8bit(ps),
+        "ours_4bit": lambda ps: torchao_optim.AdamW4bit(ps),
+        # rank-1 scales: the per-parameter path, the column maxima all-reduced once per group and step
+        "ours_4bit_rank1": lambda ps: torchao_optim.AdamW(ps, state_format="4bit_rank1"),
+    }
     if device == "cuda":
         f["ours_dtq8_compiled"] = lambda ps: torchao_optim.AdamW8bit(ps, fused=False)
+        # each rank's shards' state in host memory, streamed through the GPU every step
+        f["ours_dtq8_offload_state"] = lambda ps: torchao_optim.AdamW8bit(ps, offload_state=True)
     f["torch_fused"] = lambda ps: torch.optim.AdamW(ps, fused=True)
     f["torch_foreach"] = lambda ps: torch.optim.AdamW(ps, foreach=True)
     try:
@@ -338,7 +346,7 @@ def main(argv=None) -> int:
                 + (f" {r['transient_peak_mb']:.0f} |" if device == "cuda" else "")
             )
     if dist.get_rank() == 0:
-        path = os.path.join(args.out, f"fsdp_{args.geometry}_{world}x{device}.json")
+        path = os.path.join(args.out, f"fsdp_{args.geometry}_{args.dtype}_{world}x{device}.json")
         with open(path, "w") as f:
             json.dump(
                 dict(
