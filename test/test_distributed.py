@@ -36,7 +36,6 @@ import functools
 import math
 import multiprocessing
 import os
-import re
 import socket
 import tempfile
 import textwrap
@@ -309,11 +308,11 @@ def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
     return torch.load(os.path.join(out, f"{job.__name__}.pt"), weights_only=True)
 
 
-def two_ranks(out, cases=()):
+def two_ranks(out, cases=(), reshard=()):
     """On 2 gloo ranks: FSDP2 on the gradients of :func:`grads` for 3 steps, a DCP checkpoint, 3 more steps;
     the checkpoint resumed on 2 ranks, and on 1 (rank 0 alone, on a mesh and a checkpoint group of its own);
     training on each rank's half of a global batch with FSDP2 and with DDP; then each of ``cases``
-    (:func:`run_cases`)."""
+    (:func:`run_cases`), and each of ``reshard`` resharded 2 -> 1 -> 2 (:func:`resharded`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
@@ -371,6 +370,7 @@ def two_ranks(out, cases=()):
         assert all(p.grad is None for p in model.parameters())
     result["train_fsdp_in_backward"] = snapshot(model, opt)
     result["cases"] = run_cases(cases)
+    result["reshard"] = [resharded(case, out, {2: None, 1: alone}, (2, 1, 2)) for case in reshard]
     return result
 
 
@@ -406,15 +406,21 @@ class Case:
         return "-".join([self.opt, self.fmt, *features])
 
 
+# The matrices Muon8bit orthogonalizes in the cases: fc1.weight (96, 256) and fc2.weight (67, 96), whose rows
+# shard unevenly on 4 ranks (24 each; 17, 17, 17, 16) and on 2 (48 each; 34, 33). fc3.weight takes the AdamW fallback.
+MUON_MATRICES = ("fc1.weight", "fc2.weight")
+
+
 def case_groups(case):
-    """The optimizer's parameter groups, by parameter name. Muon8bit: its matrices in a group with
-    ``use_muon=False`` (sharded, Muon refuses them: the AdamW fallback), its 1-D parameters in a group of their
-    own (the AdamW fallback, as on one process)."""
+    """The optimizer's parameter groups, by parameter name. Muon8bit: :data:`MUON_MATRICES` orthogonalized, in a
+    group of their own; fc3.weight in a group with ``use_muon=False`` (the AdamW fallback on a sharded matrix);
+    the 1-D parameters in a group of their own (the AdamW fallback, as on one process)."""
     names = [name for name, _ in Net().named_parameters()]
     if case.opt != "Muon8bit":
         return [{"params": names}]
     return [
-        {"params": [n for n in names if n.endswith("weight")], "use_muon": False},
+        {"params": list(MUON_MATRICES)},
+        {"params": [n for n in names if n.endswith("weight") and n not in MUON_MATRICES], "use_muon": False},
         {"params": [n for n in names if n.endswith("bias")]},
     ]
 
@@ -473,9 +479,27 @@ def case_snapshot(model, opt):
     return dict(snapshot(model, opt), explain=opt.explain(), plans=(fused, rest), misplaced=misplaced)
 
 
+@contextlib.contextmanager
+def counting_orthogonalizations():
+    """Within: the shapes of the matrices this rank orthogonalizes (Muon8bit's Newton-Schulz runs), listed."""
+    from torchao_optim.optim import muon
+
+    real, shapes = muon.orthogonalize, []
+
+    def counted(g, *args, **kw):
+        shapes.append(tuple(g.shape))
+        return real(g, *args, **kw)
+
+    muon.orthogonalize = counted
+    try:
+        yield shapes
+    finally:
+        muon.orthogonalize = real
+
+
 def run_cases(cases, steps=STEPS, device="cpu") -> list:
     """Each of ``cases`` on every rank (HSDP on a 2 x (world / 2) mesh), on meshes of ``device``:
-    :func:`case_snapshot` after ``steps``."""
+    :func:`case_snapshot` after ``steps``, with the shapes of the matrices each rank orthogonalized (Muon8bit)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -486,20 +510,24 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
     for case in cases:
         model = case_model(case, meshes[case.mesh])
         opt = case_optimizer(model, case)
-        case_train(model, opt, case, range(steps))
-        results.append(case_snapshot(model, opt))
+        with counting_orthogonalizations() as shapes:
+            case_train(model, opt, case, range(steps))
+        orthogonalized = [None] * world
+        dist.all_gather_object(orthogonalized, shapes)
+        results.append(dict(case_snapshot(model, opt), orthogonalized=orthogonalized))
     return results
 
 
-def resharded(case, out, groups) -> dict:
-    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again, ``STEPS`` steps each, each time resuming the
-    DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each stage."""
+def resharded(case, out, groups, worlds=(4, 2, 1, 4)) -> dict:
+    """``case`` trained on each of ``worlds`` ranks in turn (``groups``: their process groups, None for every
+    rank), ``STEPS`` steps each, each time resuming the DCP checkpoint the ranks before saved:
+    :func:`case_snapshot` after each load and each stage."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
 
     result, ckpt = {}, None
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(worlds):
         saved = os.path.join(out, f"{case}-{stage}")
         if dist.get_rank() < world:
             group = groups[world]
@@ -551,26 +579,42 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     and the plans stepped them all) or, for ``executor="eager"``, on the per-parameter path."""
     what = f"{case}{what}"
     problems = []
-    if sorted(k for k in ours if k not in ("explain", "plans", "misplaced")) != sorted(ref):
+    if sorted(k for k in ours if k not in ("explain", "plans", "misplaced", "orthogonalized")) != sorted(ref):
         problems.append(f"{what}: keys {sorted(ours)} != {sorted(ref)}")
     for key in ref:
         if key in ours:
             problems += same_tensor_problems(ours[key], ref[key], f"{what}: {key}")
     if ours["misplaced"]:
         problems.append(f"{what}: states not laid out as their parameters: {ours['misplaced']}")
+    if case.opt == "Muon8bit" and "orthogonalized" in ours:
+        # each matrix orthogonalized once per step in each replica group, on the rank of the group that owns it:
+        # MUON_MATRICES[i] on rank i modulo the ranks that split the rows (every rank of an HSDP replica group)
+        world = len(ours["orthogonalized"])
+        size = world // 2 if case.mesh == "hsdp" else world
+        shapes = [tuple(Net().get_parameter(name).shape) for name in MUON_MATRICES]
+        for rank, done in enumerate(ours["orthogonalized"]):
+            owned = [shape for i, shape in enumerate(shapes) if i % size == rank % size] * STEPS
+            if sorted(done) != sorted(owned):
+                problems.append(f"{what}: rank {rank} orthogonalized {done}, expected {owned}")
     routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
     n_params = sum(1 for _ in Net().parameters())
+    # Muon's orthogonalized matrices take the per-parameter path (no fused kernel runs Muon), every other
+    # parameter the fused C step
+    n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
+    unfused = sum(int(line.split(": ")[1].split()[0]) for line in routes if "per-parameter path, eager" in line)
     if not stepped:
         pass
     elif case.executor == "fused":
-        if not routes or not all(line.startswith("  fused C step:") for line in routes):
-            problems.append(f"{what}: not every parameter takes the fused C step:\n{ours['explain']}")
-        if ours["plans"] != (n_params, 0):
-            problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params}, 0)")
+        fused_or_muon = ("  fused C step:", "  per-parameter path, eager") if n_muon else ("  fused C step:",)
+        if not routes or not all(line.startswith(fused_or_muon) for line in routes) or unfused != n_muon:
+            problems.append(f"{what}: not every parameter but Muon's takes the fused C step:\n{ours['explain']}")
+        if ours["plans"] != (n_params - n_muon, n_muon):
+            expected = (n_params - n_muon, n_muon)
+            problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected {expected}")
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
     # the reference's layouts come from the block rule: a format whose scales cover one block each is quantized
-    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit", "Muon8bit") else "momentum_buffer")
+    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit") else "momentum_buffer")
     quantized = isinstance(ours.get(key), QuantizedState)
     if quantized != (case.fmt not in ("none", "4bit_rank1")):
         problems.append(f"{what}: {key} is a {type(ours.get(key)).__name__}")
@@ -750,7 +794,7 @@ class TestShardedStep(expecttest.TestCase):
         # Tensor parallelism's row-wise layers: weights sharded along dim 1 (Shard(1)), biases replicated. A
         # weight's rows span ranks, so no block rule applies: plain fp32 state whatever the format, and each rank's
         # columns are those of single-process training with plain state, bit for bit (the update is elementwise),
-        # on the fused C step. Muon8bit refuses such a matrix as it refuses Shard(0).
+        # on the fused C step. (Muon8bit refuses such a matrix: test_muon_refuses_a_sharding_it_cannot_gather.)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
 
@@ -797,31 +841,39 @@ class TestShardedStep(expecttest.TestCase):
                             if key != "step":
                                 state = opt.state[p][key].to_local()
                                 assert_same_tensor(self, state, ref_state[where], f"{what} {pname} {key}")
-        with simulated_rank(0, 2):
-            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-            weight = torch.zeros(96, 256)
-            p = torch.nn.Parameter(
-                as_dtensor(weight[:, :128].clone(), mesh, (Shard(1),), weight.shape, weight.stride())
-            )
-            p.grad = dtensor_like(p, torch.ones(96, 128))
-            with self.assertRaisesRegex(NotImplementedError, re.escape("(96, 256) is sharded ((Shard(dim=1),))")):
-                Muon8bit([p], lr=LR, compile=False).step()
 
-    def test_muon_refuses_a_sharded_matrix(self):
-        # Newton-Schulz needs the whole matrix: refused, naming the parameter and what to do instead (the AdamW
-        # fallback on sharded matrices is tested in TestTwoRanks and TestFourRanks)
-        with simulated_rank(0, 2):
-            model = sharded(Net())
-            opt = Muon8bit(model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False)
-            set_grads(model, 0)
-            with self.assertRaises(NotImplementedError) as caught:
-                opt.step()
+    def test_muon_refuses_a_sharding_it_cannot_gather(self):
+        # Muon8bit gathers a matrix split by rows along one mesh dimension (FSDP2, HSDP: TestTwoRanks,
+        # TestFourRanks). Others are refused when the optimizer is built, before any step could update some
+        # parameters and then fail on this one: columns (tensor parallelism's Shard(1)), and rows split along two
+        # mesh dimensions.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        errors = []
+        with simulated_rank(0, 4):
+            for shape, placements in (((4,), (Shard(1),)), ((2, 2), (Shard(0), Shard(0)))):
+                mesh = init_device_mesh("cpu", shape)
+                weight, bias = torch.zeros(96, 256), torch.zeros(96)
+                local = weight[:24] if placements[0] == Shard(0) else weight[:, :64]
+                p = torch.nn.Parameter(as_dtensor(local.clone(), mesh, placements, weight.shape, weight.stride()))
+                replicated = (Replicate(),) * len(shape)
+                b = torch.nn.Parameter(as_dtensor(bias.clone(), mesh, replicated, bias.shape, bias.stride()))
+                with self.assertRaises(ValueError) as caught:
+                    Muon8bit([b, p], lr=LR, compile=False)
+                errors.append(textwrap.fill(str(caught.exception), 100))
+                # as the AdamW fallback's, it is accepted
+                Muon8bit([{"params": [b]}, {"params": [p], "use_muon": False}], lr=LR, compile=False)
         self.assertExpectedInline(
-            textwrap.fill(str(caught.exception), 100),
+            "\n".join(errors),
             """\
-Muon8bit: the parameter of shape (96, 256) is sharded ((Shard(dim=0),)); orthogonalizing its update
-needs the whole matrix, which a sharded step does not gather. Give it to the AdamW fallback
-(use_muon=False in its param group) or keep it unsharded""",
+param group 0: Muon8bit cannot orthogonalize the parameter of shape (96, 256) sharded as
+(Shard(dim=1),): it gathers matrices split by rows along one mesh dimension (Shard(0), every other
+mesh dimension Replicate()). Give it to the AdamW fallback (use_muon=False in its param group)
+param group 0: Muon8bit cannot orthogonalize the parameter of shape (96, 256) sharded as
+(Shard(dim=0), Shard(dim=0)): it gathers matrices split by rows along one mesh dimension (Shard(0),
+every other mesh dimension Replicate()). Give it to the AdamW fallback (use_muon=False in its param
+group)""",
         )
 
 
@@ -847,14 +899,16 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "sgd_4bit_offload": Case("SGD8bit", "4bit", offload=True),
         "lion_fp8_in_backward": Case("Lion8bit", "fp8", grads="in_backward"),
         "muon_rank1_backward": Case("Muon8bit", "4bit_rank1", grads="backward"),
+        "muon_dtq8_in_backward": Case("Muon8bit", "dtq8", grads="in_backward"),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
+    RESHARD = Case("Muon8bit", "dtq8")  # 2 -> 1 -> 2 ranks, through DCP checkpoints
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()))
+            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()), [cls.RESHARD])
         cls.ref = reference(2 * STEPS)
 
     def test_sgd8bit_4bit_cpu_offload_policy_fused_c_step(self):
@@ -868,6 +922,22 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters; "4bit_rank1" keeps
         # plain fp32 state for sharded parameters (its column scales would span ranks)
         self.check_case("muon_rank1_backward")
+
+    def test_muon8bit_sharded_matrices_step_in_backward(self):
+        # Muon on matrices sharded by rows, unevenly (fc2.weight: 34 and 33 rows), each stepped in its own hook:
+        # its quantized momentum stays sharded; its direction is gathered onto the rank that owns the matrix
+        # (fc1.weight rank 0, fc2.weight rank 1: each rank runs one Newton-Schulz per step, checked), and each
+        # rank gets its rows of the result. Bit for bit single-process training: the momentum and the update are
+        # elementwise, Newton-Schulz is the same function of the same bits, and the collectives move them exactly
+        # (fp32 directions, the bf16 result Newton-Schulz returns).
+        self.check_case("muon_dtq8_in_backward")
+
+    def test_muon8bit_sharded_matrices_dcp_reshard_2_1_2(self):
+        # step(), a DCP checkpoint loaded on 1 rank (no communication: the matrices are whole), another loaded back
+        # on 2; after each load and each stage, bit for bit single-process training
+        problems = reshard_problems(self.RESHARD, self.result["reshard"][0], (2, 1, 2))
+        if problems:
+            self.fail("\n".join(problems))
 
     def test_bf16_stochastic_round(self):
         # each element rounds with the random bits of its index in the whole parameter: as on one process
@@ -925,12 +995,12 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
                 self.assertIs(type(ours[f"{name}.exp_avg"]), type(opt.state[p]["exp_avg"]), where)
 
 
-def reshard_problems(case, result) -> list[str]:
+def reshard_problems(case, result, worlds=(4, 2, 1, 4)) -> list[str]:
     """:func:`resharded`'s snapshots against single-process training: after each load, those of the steps before,
     and after each stage, those of its steps."""
-    refs = case_reference(case, 4)
+    refs = case_reference(case, len(worlds))
     problems = []
-    for stage, world in enumerate((4, 2, 1, 4)):
+    for stage, world in enumerate(worlds):
         if stage:
             problems += case_problems(case, result[f"loaded_{stage}"], refs[stage - 1], f": loaded on {world}", False)
         problems += case_problems(case, result[f"stage_{stage}"], refs[stage], f": trained on {world}")
