@@ -400,9 +400,11 @@ class Case:
     # (backward_to), then step(); "in_backward": the same backward, with step_in_backward
     grads: str = "set"
     bf16: bool = False  # bf16 parameters, with bf16_stochastic_round=True
+    dims: tuple = (256, 96, 67, 256)  # Net's
 
     def __str__(self):
         features = [self.mesh, self.executor, self.grads] + ["offload"] * self.offload + ["bf16"] * self.bf16
+        features += [] if self.dims == Case.dims else ["x".join(map(str, self.dims))]
         return "-".join([self.opt, self.fmt, *features])
 
 
@@ -435,7 +437,7 @@ def case_model(case, mesh=None):
     """:class:`Net` (in bf16 for ``case.bf16``), sharded on ``mesh`` (default: every rank) as ``case`` says."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
     # pinned host memory where a GPU copies gradients into it (the policy's default)
     pin = mesh is not None and mesh.device_type == "cuda"
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if case.offload else {}
@@ -562,7 +564,7 @@ def cases_job(out, cases, reshard=(), device="cpu"):
 def case_reference(case, stages=1) -> list:
     """Single-process training for ``case``: its snapshot after each ``STEPS`` steps, ``stages`` times."""
     cls, fused, options = case_options(case)
-    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
     opt = reference_optimizer(model, fused, cls, groups=case_groups(case), **options)
     snaps = []
     for stage in range(stages):
@@ -591,13 +593,13 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
         # MUON_MATRICES[i] on rank i modulo the ranks that split the rows (every rank of an HSDP replica group)
         world = len(ours["orthogonalized"])
         size = world // 2 if case.mesh == "hsdp" else world
-        shapes = [tuple(Net().get_parameter(name).shape) for name in MUON_MATRICES]
+        shapes = [tuple(Net(case.dims).get_parameter(name).shape) for name in MUON_MATRICES]
         for rank, done in enumerate(ours["orthogonalized"]):
             owned = [shape for i, shape in enumerate(shapes) if i % size == rank % size] * STEPS
             if sorted(done) != sorted(owned):
                 problems.append(f"{what}: rank {rank} orthogonalized {done}, expected {owned}")
     routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
-    n_params = sum(1 for _ in Net().parameters())
+    n_params = sum(1 for _ in Net(case.dims).parameters())
     # Muon's orthogonalized matrices take the per-parameter path (no fused kernel runs Muon), every other
     # parameter the fused C step
     n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
@@ -900,6 +902,8 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "lion_fp8_in_backward": Case("Lion8bit", "fp8", grads="in_backward"),
         "muon_rank1_backward": Case("Muon8bit", "4bit_rank1", grads="backward"),
         "muon_dtq8_in_backward": Case("Muon8bit", "dtq8", grads="in_backward"),
+        # fc2.weight (1, 512): rank 1 holds no row, and owns its orthogonalization
+        "muon_empty_shard": Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64)),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
@@ -931,6 +935,11 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # elementwise, Newton-Schulz is the same function of the same bits, and the collectives move them exactly
         # (fp32 directions, the bf16 result Newton-Schulz returns).
         self.check_case("muon_dtq8_in_backward")
+
+    def test_muon8bit_empty_shard_owns_a_matrix(self):
+        # a rank with an empty shard still takes part: it sends no rows, gathers the matrix it owns (fc2.weight,
+        # (1, 512), all its rows on rank 0), orthogonalizes it and scatters it back
+        self.check_case("muon_empty_shard")
 
     def test_muon8bit_sharded_matrices_dcp_reshard_2_1_2(self):
         # step(), a DCP checkpoint loaded on 1 rank (no communication: the matrices are whole), another loaded back
@@ -1043,7 +1052,8 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_lion8bit_rank1_kept_plain_bf16_stochastic_round(self):
         self.check_case("lion_rank1_bf16_eager")
 
-    def test_muon8bit_adamw_fallback_hsdp_cpu_offload(self):
+    def test_muon8bit_hsdp_cpu_offload(self):
+        # each replica group gathers each matrix onto its owner within its shard dimension; nothing crosses replicas
         self.check_case("muon_hsdp_offload")
 
     def test_hsdp_cpu_offload_bf16_step_in_backward(self):
@@ -1091,7 +1101,8 @@ class TestCudaMesh(CaseChecks, expecttest.TestCase):
         self.check_case("sgd_fp8")
         self.check_case("lion_backward")
 
-    def test_muon8bit_adamw_fallback(self):
+    def test_muon8bit(self):
+        # the sharded matrices' collectives on the GPUs (NCCL), their Newton-Schulz in host memory
         self.check_case("muon_backward")
 
 
