@@ -9,8 +9,10 @@ Two parts, both on by default:
   DCP checkpoint saved after 3 steps and loaded into a fresh model must resume bit for bit.
 - ``--bench``: the optimizer step of a sharded geometry (default TinyLlama-1.1B, fp32 parameters): first step
   (compiling included), median step time (CUDA events; the slowest rank's median), optimizer state bytes per
-  rank and the step's transient peak memory, for AdamW8bit (fused and compiled executors), torch's AdamW
-  (fused, foreach) and, when importable, torchao's AdamW8bit: all under the same FSDP2 sharding.
+  rank and the step's transient peak memory, for AdamW8bit (fused and compiled executors), Muon8bit (its
+  matrices' directions gathered onto their owners, orthogonalized there and scattered back; the embedding and
+  the head on its AdamW fallback), torch's AdamW (fused, foreach) and, when importable, torchao's AdamW8bit: all
+  under the same FSDP2 sharding.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py            # GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py --device cpu --geometry tiny  # CPU, gloo (smoke)
@@ -237,6 +239,10 @@ def optimizers(device) -> dict[str, Callable]:
     f: dict[str, Callable] = {"ours_dtq8": lambda ps: torchao_optim.AdamW8bit(ps)}
     if device == "cuda":
         f["ours_dtq8_compiled"] = lambda ps: torchao_optim.AdamW8bit(ps, fused=False)
+    # Muon for the geometry's matrices; the first and last tensors (embedding, head) on the AdamW fallback
+    f["ours_muon8bit"] = lambda ps: torchao_optim.Muon8bit(
+        [{"params": ps[1:-1]}, {"params": [ps[0], ps[-1]], "use_muon": False}]
+    )
     f["torch_fused"] = lambda ps: torch.optim.AdamW(ps, fused=True)
     f["torch_foreach"] = lambda ps: torch.optim.AdamW(ps, foreach=True)
     try:
