@@ -523,7 +523,8 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
 def resharded(case, out, groups, worlds=(4, 2, 1, 4)) -> dict:
     """``case`` trained on each of ``worlds`` ranks in turn (``groups``: their process groups, None for every
     rank), ``STEPS`` steps each, each time resuming the DCP checkpoint the ranks before saved:
-    :func:`case_snapshot` after each load and each stage."""
+    :func:`case_snapshot` after each load and each stage, with the shapes of the matrices each rank
+    orthogonalized in the stage (Muon8bit)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
@@ -540,8 +541,11 @@ def resharded(case, out, groups, worlds=(4, 2, 1, 4)) -> dict:
                 dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, process_group=group)
                 set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
                 result[f"loaded_{stage}"] = case_snapshot(model, opt)
-            case_train(model, opt, case, range(stage * STEPS, (stage + 1) * STEPS))
-            result[f"stage_{stage}"] = case_snapshot(model, opt)
+            with counting_orthogonalizations() as shapes:
+                case_train(model, opt, case, range(stage * STEPS, (stage + 1) * STEPS))
+            orthogonalized = [None] * world
+            dist.all_gather_object(orthogonalized, shapes, group=group)
+            result[f"stage_{stage}"] = dict(case_snapshot(model, opt), orthogonalized=orthogonalized)
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=saved, process_group=group)
         ckpt = saved
@@ -900,14 +904,12 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
     CASES = {
         "sgd_4bit_offload": Case("SGD8bit", "4bit", offload=True),
         "lion_fp8_in_backward": Case("Lion8bit", "fp8", grads="in_backward"),
-        "muon_rank1_backward": Case("Muon8bit", "4bit_rank1", grads="backward"),
-        "muon_dtq8_in_backward": Case("Muon8bit", "dtq8", grads="in_backward"),
-        # fc2.weight (1, 512): rank 1 holds no row, and owns its orthogonalization
-        "muon_empty_shard": Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64)),
+        "muon_rank1_in_backward": Case("Muon8bit", "4bit_rank1", grads="in_backward"),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
-    RESHARD = Case("Muon8bit", "dtq8")  # 2 -> 1 -> 2 ranks, through DCP checkpoints
+    # 2 -> 1 -> 2 ranks, through DCP checkpoints; fc2.weight (1, 512): rank 1 holds none of its rows, and owns it
+    RESHARD = Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64))
 
     @classmethod
     def setUpClass(cls):
@@ -922,28 +924,24 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # through FSDP2's reduce-scatter and its post-accumulate-grad hooks, bit for bit single-process training
         self.check_case("lion_fp8_in_backward")
 
-    def test_muon8bit_adamw_fallback_and_rank1_kept_plain(self):
-        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters; "4bit_rank1" keeps
-        # plain fp32 state for sharded parameters (its column scales would span ranks)
-        self.check_case("muon_rank1_backward")
-
-    def test_muon8bit_sharded_matrices_step_in_backward(self):
-        # Muon on matrices sharded by rows, unevenly (fc2.weight: 34 and 33 rows), each stepped in its own hook:
-        # its quantized momentum stays sharded; its direction is gathered onto the rank that owns the matrix
-        # (fc1.weight rank 0, fc2.weight rank 1: each rank runs one Newton-Schulz per step, checked), and each
-        # rank gets its rows of the result. Bit for bit single-process training: the momentum and the update are
-        # elementwise, Newton-Schulz is the same function of the same bits, and the collectives move them exactly
-        # (fp32 directions, the bf16 result Newton-Schulz returns).
-        self.check_case("muon_dtq8_in_backward")
-
-    def test_muon8bit_empty_shard_owns_a_matrix(self):
-        # a rank with an empty shard still takes part: it sends no rows, gathers the matrix it owns (fc2.weight,
-        # (1, 512), all its rows on rank 0), orthogonalizes it and scatters it back
-        self.check_case("muon_empty_shard")
+    def test_muon8bit_step_in_backward_adamw_fallback_rank1_kept_plain(self):
+        # each sharded matrix Muon orthogonalizes steps in its own hook, its gather and scatter with it (the hooks
+        # run in the same order on every rank); Muon8bit's AdamW fallback on a sharded matrix (use_muon=False) and
+        # on 1-D parameters; "4bit_rank1" keeps plain fp32 state for sharded parameters (its column scales would
+        # span ranks)
+        self.check_case("muon_rank1_in_backward")
 
     def test_muon8bit_sharded_matrices_dcp_reshard_2_1_2(self):
-        # step(), a DCP checkpoint loaded on 1 rank (no communication: the matrices are whole), another loaded back
-        # on 2; after each load and each stage, bit for bit single-process training
+        # Muon on matrices sharded by rows: the quantized momentum stays sharded; each matrix's direction is
+        # gathered onto the rank that owns it (fc1.weight (512, 64) rank 0, fc2.weight (1, 512) rank 1, which holds
+        # none of its rows: it sends none, gathers the matrix, orthogonalizes it and scatters it back; each rank
+        # runs one Newton-Schulz per step, checked), and each rank gets its rows of the result. Bit for bit
+        # single-process training: the momentum and the update are elementwise, Newton-Schulz is the same function
+        # of the same bits, and the collectives move them exactly (fp32 directions, the bf16 result Newton-Schulz
+        # returns). Then a DCP checkpoint loaded on 1 rank (no communication: the matrices are whole), another
+        # loaded back on 2: after each load and each stage, bit for bit single-process training. (Uneven rows:
+        # fc2.weight (67, 96) in test_muon8bit_step_in_backward_adamw_fallback_rank1_kept_plain and
+        # TestFourRanks.test_muon8bit_hsdp_cpu_offload.)
         problems = reshard_problems(self.RESHARD, self.result["reshard"][0], (2, 1, 2))
         if problems:
             self.fail("\n".join(problems))
