@@ -10,8 +10,10 @@ Two parts, both on by default:
 - ``--bench``: the optimizer step of a sharded geometry (default TinyLlama-1.1B, fp32 parameters): first step
   (compiling included), median step time (CUDA events; the slowest rank's median), optimizer state bytes per
   rank and the step's transient peak memory, for AdamW8bit (fused and compiled executors, and with
-  ``offload_state=True`` on GPUs), AdamW4bit, AdamW with ``"4bit_rank1"`` state, torch's AdamW (fused, foreach)
-  and, when importable, torchao's AdamW8bit: all under the same FSDP2 sharding.
+  ``offload_state=True`` on GPUs), AdamW4bit, AdamW with ``"4bit_rank1"`` state, Muon8bit (its matrices'
+  directions gathered onto their owners, orthogonalized there and scattered back; the embedding and the head on
+  its AdamW fallback), torch's AdamW (fused, foreach) and, when importable, torchao's AdamW8bit: all under the
+  same FSDP2 sharding.
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py            # GPUs, NCCL
     torchrun --nproc-per-node 2 benchmarks/benchmark_fsdp.py --device cpu --geometry tiny  # CPU, gloo (smoke)
@@ -245,6 +247,10 @@ def optimizers(device) -> dict[str, Callable]:
         f["ours_dtq8_compiled"] = lambda ps: torchao_optim.AdamW8bit(ps, fused=False)
         # each rank's shards' state in host memory, streamed through the GPU every step
         f["ours_dtq8_offload_state"] = lambda ps: torchao_optim.AdamW8bit(ps, offload_state=True)
+    # Muon for the geometry's matrices; the first and last tensors (embedding, head) on the AdamW fallback
+    f["ours_muon8bit"] = lambda ps: torchao_optim.Muon8bit(
+        [{"params": ps[1:-1]}, {"params": [ps[0], ps[-1]], "use_muon": False}]
+    )
     f["torch_fused"] = lambda ps: torch.optim.AdamW(ps, fused=True)
     f["torch_foreach"] = lambda ps: torch.optim.AdamW(ps, foreach=True)
     try:

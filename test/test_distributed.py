@@ -36,7 +36,6 @@ import functools
 import math
 import multiprocessing
 import os
-import re
 import socket
 import tempfile
 import textwrap
@@ -404,21 +403,29 @@ class Case:
     # (backward_to), then step(); "in_backward": the same backward, with step_in_backward
     grads: str = "set"
     bf16: bool = False  # bf16 parameters, with bf16_stochastic_round=True
+    dims: tuple = (256, 96, 67, 256)  # Net's
 
     def __str__(self):
         features = [self.mesh, self.executor, self.grads] + ["offload"] * self.offload + ["bf16"] * self.bf16
+        features += [] if self.dims == Case.dims else ["x".join(map(str, self.dims))]
         return "-".join([self.opt, self.fmt, *features])
 
 
+# The matrices Muon8bit orthogonalizes in the cases: fc1.weight (96, 256) and fc2.weight (67, 96), whose rows
+# shard unevenly on 4 ranks (24 each; 17, 17, 17, 16) and on 2 (48 each; 34, 33). fc3.weight takes the AdamW fallback.
+MUON_MATRICES = ("fc1.weight", "fc2.weight")
+
+
 def case_groups(case):
-    """The optimizer's parameter groups, by parameter name. Muon8bit: its matrices in a group with
-    ``use_muon=False`` (sharded, Muon refuses them: the AdamW fallback), its 1-D parameters in a group of their
-    own (the AdamW fallback, as on one process)."""
+    """The optimizer's parameter groups, by parameter name. Muon8bit: :data:`MUON_MATRICES` orthogonalized, in a
+    group of their own; fc3.weight in a group with ``use_muon=False`` (the AdamW fallback on a sharded matrix);
+    the 1-D parameters in a group of their own (the AdamW fallback, as on one process)."""
     names = [name for name, _ in Net().named_parameters()]
     if case.opt != "Muon8bit":
         return [{"params": names}]
     return [
-        {"params": [n for n in names if n.endswith("weight")], "use_muon": False},
+        {"params": list(MUON_MATRICES)},
+        {"params": [n for n in names if n.endswith("weight") and n not in MUON_MATRICES], "use_muon": False},
         {"params": [n for n in names if n.endswith("bias")]},
     ]
 
@@ -434,7 +441,7 @@ def case_model(case, mesh=None):
     """:class:`Net` (in bf16 for ``case.bf16``), sharded on ``mesh`` (default: every rank) as ``case`` says."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
     # pinned host memory where a GPU copies gradients into it (the policy's default)
     pin = mesh is not None and mesh.device_type == "cuda"
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if case.offload else {}
@@ -478,9 +485,27 @@ def case_snapshot(model, opt):
     return dict(snapshot(model, opt), explain=opt.explain(), plans=(fused, rest), misplaced=misplaced)
 
 
+@contextlib.contextmanager
+def counting_orthogonalizations():
+    """Within: the shapes of the matrices this rank orthogonalizes (Muon8bit's Newton-Schulz runs), listed."""
+    from torchao_optim.optim import muon
+
+    real, shapes = muon.orthogonalize, []
+
+    def counted(g, *args, **kw):
+        shapes.append(tuple(g.shape))
+        return real(g, *args, **kw)
+
+    muon.orthogonalize = counted
+    try:
+        yield shapes
+    finally:
+        muon.orthogonalize = real
+
+
 def run_cases(cases, steps=STEPS, device="cpu") -> list:
     """Each of ``cases`` on every rank (HSDP on a 2 x (world / 2) mesh), on meshes of ``device``:
-    :func:`case_snapshot` after ``steps``."""
+    :func:`case_snapshot` after ``steps``, with the shapes of the matrices each rank orthogonalized (Muon8bit)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -491,8 +516,11 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
     for case in cases:
         model = case_model(case, meshes[case.mesh])
         opt = case_optimizer(model, case)
-        case_train(model, opt, case, range(steps))
-        results.append(case_snapshot(model, opt))
+        with counting_orthogonalizations() as shapes:
+            case_train(model, opt, case, range(steps))
+        orthogonalized = [None] * world
+        dist.all_gather_object(orthogonalized, shapes)
+        results.append(dict(case_snapshot(model, opt), orthogonalized=orthogonalized))
     return results
 
 
@@ -501,16 +529,17 @@ def reshard_worlds(world) -> tuple:
     return (4, 2, 1, 4) if world == 4 else (2, 1, 2)
 
 
-def resharded(case, out, groups) -> dict:
-    """``case`` trained on 4 ranks, then on 2, on 1 and on 4 again (in a 2-rank job: 2, 1, 2), ``STEPS`` steps each,
-    each time resuming the DCP checkpoint the ranks before saved: :func:`case_snapshot` after each load and each
-    stage."""
+def resharded(case, out, groups, worlds=(4, 2, 1, 4)) -> dict:
+    """``case`` trained on each of ``worlds`` ranks in turn (``groups``: their process groups, None for every
+    rank), ``STEPS`` steps each, each time resuming the DCP checkpoint the ranks before saved:
+    :func:`case_snapshot` after each load and each stage, with the shapes of the matrices each rank
+    orthogonalized in the stage (Muon8bit)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.distributed.device_mesh import DeviceMesh
 
     result, ckpt = {}, None
-    for stage, world in enumerate(reshard_worlds(dist.get_world_size())):
+    for stage, world in enumerate(worlds):
         saved = os.path.join(out, f"{case}-{stage}")
         if dist.get_rank() < world:
             group = groups[world]
@@ -521,8 +550,11 @@ def resharded(case, out, groups) -> dict:
                 dcp.load({"model": msd, "optim": osd}, checkpoint_id=ckpt, process_group=group)
                 set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
                 result[f"loaded_{stage}"] = case_snapshot(model, opt)
-            case_train(model, opt, case, range(stage * STEPS, (stage + 1) * STEPS))
-            result[f"stage_{stage}"] = case_snapshot(model, opt)
+            with counting_orthogonalizations() as shapes:
+                case_train(model, opt, case, range(stage * STEPS, (stage + 1) * STEPS))
+            orthogonalized = [None] * world
+            dist.all_gather_object(orthogonalized, shapes, group=group)
+            result[f"stage_{stage}"] = dict(case_snapshot(model, opt), orthogonalized=orthogonalized)
             msd, osd = get_state_dict(model, opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=saved, process_group=group)
         ckpt = saved
@@ -577,14 +609,14 @@ def reshard_cases(out, reshard) -> list:
     groups = {world: None, 1: dist.new_group([0])}  # every rank creates each
     if world == 4:
         groups[2] = dist.new_group([0, 1])
-    return [resharded(case, out, groups) for case in reshard]
+    return [resharded(case, out, groups, reshard_worlds(world)) for case in reshard]
 
 
 def case_reference(case, stages=1) -> list:
     """Single-process training for ``case``: its snapshot after each ``STEPS`` steps, ``stages`` times."""
     cls, fused, options = case_options(case)
     options.pop("offload_state", None)  # the same bits as state on the device
-    model = Net().to(torch.bfloat16) if case.bf16 else Net()
+    model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
     opt = reference_optimizer(model, fused, cls, groups=case_groups(case), **options)
     snaps = []
     for stage in range(stages):
@@ -601,37 +633,52 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     and the plans stepped them all) or, for ``executor="eager"``, on the per-parameter path."""
     what = f"{case}{what}"
     problems = []
-    if sorted(k for k in ours if k not in ("explain", "plans", "misplaced")) != sorted(ref):
+    if sorted(k for k in ours if k not in ("explain", "plans", "misplaced", "orthogonalized")) != sorted(ref):
         problems.append(f"{what}: keys {sorted(ours)} != {sorted(ref)}")
     for key in ref:
         if key in ours:
             problems += same_tensor_problems(ours[key], ref[key], f"{what}: {key}")
     if ours["misplaced"]:
         problems.append(f"{what}: states not laid out as their parameters: {ours['misplaced']}")
+    if case.opt == "Muon8bit" and "orthogonalized" in ours:
+        # each matrix orthogonalized once per step in each replica group, on the rank of the group that owns it:
+        # MUON_MATRICES[i] on rank i modulo the ranks that split the rows (every rank of an HSDP replica group)
+        world = len(ours["orthogonalized"])
+        size = world // 2 if case.mesh == "hsdp" else world
+        shapes = [tuple(Net(case.dims).get_parameter(name).shape) for name in MUON_MATRICES]
+        for rank, done in enumerate(ours["orthogonalized"]):
+            owned = [shape for i, shape in enumerate(shapes) if i % size == rank % size] * STEPS
+            if sorted(done) != sorted(owned):
+                problems.append(f"{what}: rank {rank} orthogonalized {done}, expected {owned}")
     routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
-    n_params = sum(1 for _ in Net().parameters())
+    n_params = sum(1 for _ in Net(case.dims).parameters())
     # rank-1 scaled states (4bit_rank1's exp_avg_sq of a matrix): the per-parameter path, which all-reduces their
-    # column maxima, on every rank and executor (as on one process, where the fused kernels do not read them)
+    # column maxima, on every rank and executor (as on one process, where the fused kernels do not read them);
+    # Muon's orthogonalized matrices too (no fused kernel runs Muon); every other parameter the fused C step
     rank1 = sum(1 for k, v in ours.items() if k.endswith(".exp_avg_sq") and getattr(v, "rows", 0))
+    n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
     if not stepped:
         pass
     elif case.executor == "fused":
         spanning = [line for line in routes if "column maxima span ranks" in line]
-        if not routes or not all(line.startswith("  fused C step:") for line in routes if line not in spanning):
-            problems.append(f"{what}: not every parameter takes the fused C step:\n{ours['explain']}")
-        if ours["plans"] != (n_params - rank1, rank1):
-            problems.append(
-                f"{what}: (fused, not fused) parameters {ours['plans']}, expected ({n_params - rank1}, {rank1})"
-            )
+        fused_or_muon = ("  fused C step:", "  per-parameter path, eager") if n_muon else ("  fused C step:",)
+        others = [line for line in routes if line not in spanning]
+        unfused = sum(int(line.split(": ")[1].split()[0]) for line in others if "per-parameter path, eager" in line)
+        if not routes or not all(line.startswith(fused_or_muon) for line in others) or unfused != n_muon:
+            problems.append(f"{what}: not every parameter but Muon's takes the fused C step:\n{ours['explain']}")
+        expected = (n_params - n_muon - rank1, n_muon + rank1)
+        if ours["plans"] != expected:
+            problems.append(f"{what}: (fused, not fused) parameters {ours['plans']}, expected {expected}")
     elif case.executor == "offload_state":
         if not routes or not all("state streamed from host memory" in line for line in routes):
             problems.append(f"{what}: not every parameter's state is streamed from host memory:\n{ours['explain']}")
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
-    if (case.fmt == "4bit_rank1" and case.opt in ("AdamW", "Muon8bit")) != (rank1 == 2):  # fc1, fc2
+    # AdamW's fc1 and fc2 (fc3's rows of 67 take no block: plain state); Muon orthogonalizes them instead
+    if (case.fmt == "4bit_rank1" and case.opt == "AdamW" and case.dims == Case.dims) != (rank1 == 2):
         problems.append(f"{what}: {rank1} rank-1 scaled states")
     # the reference's layouts come from the block rule: every format quantizes fc1.weight
-    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit", "Muon8bit") else "momentum_buffer")
+    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit") else "momentum_buffer")
     quantized = isinstance(ours.get(key), QuantizedState)
     if quantized != (case.fmt != "none"):
         problems.append(f"{what}: {key} is a {type(ours.get(key)).__name__}")
@@ -873,7 +920,7 @@ class TestShardedStep(expecttest.TestCase):
         # Tensor parallelism's row-wise layers: weights sharded along dim 1 (Shard(1)), biases replicated. A
         # weight's rows span ranks, so no block rule applies: plain fp32 state whatever the format, and each rank's
         # columns are those of single-process training with plain state, bit for bit (the update is elementwise),
-        # on the fused C step. Muon8bit refuses such a matrix as it refuses Shard(0).
+        # on the fused C step. (Muon8bit refuses such a matrix: test_muon_refuses_a_sharding_it_cannot_gather.)
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.tensor import Replicate, Shard
 
@@ -920,31 +967,39 @@ class TestShardedStep(expecttest.TestCase):
                             if key != "step":
                                 state = opt.state[p][key].to_local()
                                 assert_same_tensor(self, state, ref_state[where], f"{what} {pname} {key}")
-        with simulated_rank(0, 2):
-            mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-            weight = torch.zeros(96, 256)
-            p = torch.nn.Parameter(
-                as_dtensor(weight[:, :128].clone(), mesh, (Shard(1),), weight.shape, weight.stride())
-            )
-            p.grad = dtensor_like(p, torch.ones(96, 128))
-            with self.assertRaisesRegex(NotImplementedError, re.escape("(96, 256) is sharded ((Shard(dim=1),))")):
-                Muon8bit([p], lr=LR, compile=False).step()
 
-    def test_muon_refuses_a_sharded_matrix(self):
-        # Newton-Schulz needs the whole matrix: refused, naming the parameter and what to do instead (the AdamW
-        # fallback on sharded matrices is tested in TestTwoRanks and TestFourRanks)
-        with simulated_rank(0, 2):
-            model = sharded(Net())
-            opt = Muon8bit(model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False)
-            set_grads(model, 0)
-            with self.assertRaises(NotImplementedError) as caught:
-                opt.step()
+    def test_muon_refuses_a_sharding_it_cannot_gather(self):
+        # Muon8bit gathers a matrix split by rows along one mesh dimension (FSDP2, HSDP: TestTwoRanks,
+        # TestFourRanks). Others are refused when the optimizer is built, before any step could update some
+        # parameters and then fail on this one: columns (tensor parallelism's Shard(1)), and rows split along two
+        # mesh dimensions.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, Shard
+
+        errors = []
+        with simulated_rank(0, 4):
+            for shape, placements in (((4,), (Shard(1),)), ((2, 2), (Shard(0), Shard(0)))):
+                mesh = init_device_mesh("cpu", shape)
+                weight, bias = torch.zeros(96, 256), torch.zeros(96)
+                local = weight[:24] if placements[0] == Shard(0) else weight[:, :64]
+                p = torch.nn.Parameter(as_dtensor(local.clone(), mesh, placements, weight.shape, weight.stride()))
+                replicated = (Replicate(),) * len(shape)
+                b = torch.nn.Parameter(as_dtensor(bias.clone(), mesh, replicated, bias.shape, bias.stride()))
+                with self.assertRaises(ValueError) as caught:
+                    Muon8bit([b, p], lr=LR, compile=False)
+                errors.append(textwrap.fill(str(caught.exception), 100))
+                # as the AdamW fallback's, it is accepted
+                Muon8bit([{"params": [b]}, {"params": [p], "use_muon": False}], lr=LR, compile=False)
         self.assertExpectedInline(
-            textwrap.fill(str(caught.exception), 100),
+            "\n".join(errors),
             """\
-Muon8bit: the parameter of shape (96, 256) is sharded ((Shard(dim=0),)); orthogonalizing its update
-needs the whole matrix, which a sharded step does not gather. Give it to the AdamW fallback
-(use_muon=False in its param group) or keep it unsharded""",
+param group 0: Muon8bit cannot orthogonalize the parameter of shape (96, 256) sharded as
+(Shard(dim=1),): it gathers matrices split by rows along one mesh dimension (Shard(0), every other
+mesh dimension Replicate()). Give it to the AdamW fallback (use_muon=False in its param group)
+param group 0: Muon8bit cannot orthogonalize the parameter of shape (96, 256) sharded as
+(Shard(dim=0), Shard(dim=0)): it gathers matrices split by rows along one mesh dimension (Shard(0),
+every other mesh dimension Replicate()). Give it to the AdamW fallback (use_muon=False in its param
+group)""",
         )
 
 
@@ -969,16 +1024,18 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
     CASES = {
         "sgd_4bit_offload": Case("SGD8bit", "4bit", offload=True),
         "lion_fp8_in_backward": Case("Lion8bit", "fp8", grads="in_backward"),
-        "muon_rank1_backward": Case("Muon8bit", "4bit_rank1", grads="backward"),
+        "muon_rank1_in_backward": Case("Muon8bit", "4bit_rank1", grads="in_backward"),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
     }
-    RESHARD = Case("AdamW", "4bit_rank1")
+    # 2 -> 1 -> 2 ranks, through DCP checkpoints: AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows); Muon8bit
+    # on a model whose fc2.weight (1, 512) rank 1 holds none of the rows of, and owns
+    RESHARD = [Case("AdamW", "4bit_rank1"), Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64))]
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()), [cls.RESHARD])
+            cls.result = spawn(two_ranks, 2, out, list(cls.CASES.values()), cls.RESHARD)
         cls.ref = reference(2 * STEPS)
 
     def test_sgd8bit_4bit_cpu_offload_policy_fused_c_step(self):
@@ -988,17 +1045,33 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         # through FSDP2's reduce-scatter and its post-accumulate-grad hooks, bit for bit single-process training
         self.check_case("lion_fp8_in_backward")
 
-    def test_muon8bit_adamw_fallback_and_rank1(self):
-        # Muon8bit's AdamW fallback on sharded matrices (use_muon=False) and on 1-D parameters, with "4bit_rank1"
-        # state: exp_avg_sq scaled by its rows' maxima and the column maxima all-reduced across the ranks
-        self.check_case("muon_rank1_backward")
+    def test_muon8bit_step_in_backward_adamw_fallback_rank1(self):
+        # each sharded matrix Muon orthogonalizes steps in its own hook, its gather and scatter with it (the hooks
+        # run in the same order on every rank); Muon8bit's AdamW fallback on a sharded matrix (use_muon=False) and
+        # on 1-D parameters, with "4bit_rank1" state (fc3.weight's rows of 67 take no block: plain state)
+        self.check_case("muon_rank1_in_backward")
+
+    def test_muon8bit_sharded_matrices_dcp_reshard_2_1_2(self):
+        # Muon on matrices sharded by rows: the quantized momentum stays sharded; each matrix's direction is
+        # gathered onto the rank that owns it (fc1.weight (512, 64) rank 0, fc2.weight (1, 512) rank 1, which holds
+        # none of its rows: it sends none, gathers the matrix, orthogonalizes it and scatters it back; each rank
+        # runs one Newton-Schulz per step, checked), and each rank gets its rows of the result. Bit for bit
+        # single-process training: the momentum and the update are elementwise, Newton-Schulz is the same function
+        # of the same bits, and the collectives move them exactly (fp32 directions, the bf16 result Newton-Schulz
+        # returns). Then a DCP checkpoint loaded on 1 rank (no communication: the matrices are whole), another
+        # loaded back on 2: after each load and each stage, bit for bit single-process training. (Uneven rows:
+        # fc2.weight (67, 96) in test_muon8bit_step_in_backward_adamw_fallback_rank1 and
+        # TestFourRanks.test_muon8bit_hsdp_cpu_offload.)
+        problems = reshard_problems(self.RESHARD[1], self.result["reshard"][1], (2, 1, 2))
+        if problems:
+            self.fail("\n".join(problems))
 
     def test_rank1_dcp_reshard_2_1_2(self):
         # AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows, an uneven shard), trained on 2 ranks on the fused C
         # step but for its rank-1 states; saved by 2 ranks, loaded by 1 (each of its states from rows of both
         # saved shards), saved again and loaded by 2: bit for bit single-process training after every load and
         # every stage, the column maxima included
-        problems = reshard_problems(self.RESHARD, self.result["reshard"][0], world=2)
+        problems = reshard_problems(self.RESHARD[0], self.result["reshard"][0], (2, 1, 2))
         if problems:
             self.fail("\n".join(problems))
 
@@ -1058,10 +1131,9 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
                 self.assertIs(type(ours[f"{name}.exp_avg"]), type(opt.state[p]["exp_avg"]), where)
 
 
-def reshard_problems(case, result, world=4) -> list[str]:
-    """:func:`resharded`'s snapshots (of a job on ``world`` ranks) against single-process training: after each load,
-    those of the steps before, and after each stage, those of its steps."""
-    worlds = reshard_worlds(world)
+def reshard_problems(case, result, worlds=(4, 2, 1, 4)) -> list[str]:
+    """:func:`resharded`'s snapshots against single-process training: after each load, those of the steps before,
+    and after each stage, those of its steps."""
     refs = case_reference(case, len(worlds))
     problems = []
     for stage, world in enumerate(worlds):
@@ -1107,7 +1179,8 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_lion8bit_rank1_bf16_stochastic_round(self):
         self.check_case("lion_rank1_bf16_eager")
 
-    def test_muon8bit_adamw_fallback_hsdp_cpu_offload(self):
+    def test_muon8bit_hsdp_cpu_offload(self):
+        # each replica group gathers each matrix onto its owner within its shard dimension; nothing crosses replicas
         self.check_case("muon_hsdp_offload")
 
     def test_hsdp_cpu_offload_bf16_step_in_backward(self):
@@ -1169,7 +1242,8 @@ class TestCudaMesh(CaseChecks, expecttest.TestCase):
         self.check_case("sgd_fp8")
         self.check_case("lion_backward")
 
-    def test_muon8bit_adamw_fallback(self):
+    def test_muon8bit(self):
+        # the sharded matrices' collectives on the GPUs (NCCL), their Newton-Schulz in host memory
         self.check_case("muon_backward")
 
 

@@ -80,11 +80,46 @@ def test_what_needs_every_gradient_is_refused():
     with pytest.raises(TypeError, match="AdamW"):
         step_in_backward(model, torch.optim.AdamW(model.parameters()))
     handle = step_in_backward(model, opt)
-    with pytest.raises(RuntimeError, match="steps in backward"):
-        opt.step()
     with pytest.raises(RuntimeError, match="already"):
         step_in_backward(model, opt)
     with pytest.raises(ValueError, match="not among the model's parameters"):
         step_in_backward(torch.nn.Linear(2, 2), AdamW8bit(model.parameters()))
     handle.remove()
     opt.step()
+
+
+def test_step_after_backward_is_a_no_op_and_steps_gradients_set_by_hand():
+    """With the hooks registered, step() after backward has nothing left (the hooks stepped every parameter and
+    freed its gradient); a gradient set by hand (as torch.distributed.checkpoint's get_state_dict sets zeros, with
+    lr 0, to create the states of a fresh optimizer) is stepped as the hooks step one, exactly once."""
+    model, ref = _model(), _model()
+    opt, ref_opt = AdamW8bit(model.parameters(), lr=1e-2), AdamW8bit(ref.parameters(), lr=1e-2)
+    handle = step_in_backward(model, opt)
+    x, y = _batches(1)[0]
+    _loss(model, x, y).backward()
+    opt.step()  # nothing left: no second step
+    _loss(ref, x, y).backward()
+    ref_opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    opt.step()
+    ref_opt.step()
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    handle.remove()
+
+
+def test_distributed_checkpoint_state_dict_of_a_fresh_optimizer():
+    """torch.distributed.checkpoint's get_state_dict creates a fresh optimizer's states by stepping it with zero
+    gradients at lr 0: it must work while the optimizer steps in backward, and move no parameter."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _model()
+    opt = AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1)
+    handle = step_in_backward(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, osd = get_state_dict(model, opt)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert osd["state"] and all("exp_avg" in s for s in osd["state"].values())
+    handle.remove()

@@ -43,7 +43,7 @@ from torchao_optim.optim.fused import FusedRule, fused_available
 from torchao_optim.optim.hyperparams import HyperparamTensors
 from torchao_optim.optim.offload import Offloader
 from torchao_optim.optim.replay import StepGraph
-from torchao_optim.optim.sharded import element_offset
+from torchao_optim.optim.sharded import element_offset, local
 from torchao_optim.optim.snapshot import same_objects
 from torchao_optim.state import get_state_format
 
@@ -157,6 +157,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """One parameter on the compiled path, with its row of :meth:`_coefficients` (and, for stochastic rounding
         of a bf16 parameter, its ``(key, element offset)`` row)."""
         raise NotImplementedError
+
+    def _step_params(self, group, params: list[Tensor], states: list, coefs: list[Tensor], round_keys: list) -> None:
+        """The compiled path's step of ``params`` (of ``group``, on one device), with their coefficient rows and
+        rounding keys: each one's :meth:`_step_one`. Muon8bit's, whose update of a sharded matrix spans ranks,
+        steps its sharded matrices together."""
+        for p, state, row, key in zip(params, states, coefs, round_keys):
+            if local(p).numel() == 0:
+                continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
+            self._step_one(p, state, group, row, key)
 
     def _fused_rule(self, group) -> FusedRule | None:
         """The fused kernel's rule for this group, or None where none implements it."""
@@ -277,10 +286,15 @@ class LowBitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if getattr(self, "_in_backward", None) is not None:
-            raise RuntimeError(
-                f"{type(self).__name__}.step(): this optimizer steps in backward "
-                f"(torchao_optim.step_in_backward); call the handle's remove() to step it again"
-            )
+            # Stepping in backward, the hooks have stepped every parameter and freed its gradient: step() has
+            # nothing left to do, but steps, as the hooks would, a parameter that holds a gradient the hooks did not
+            # see (a gradient set by hand, as torch.distributed.checkpoint's get_state_dict does to create states)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._step_param(p)
+                        p.grad = None
+            return loss
         if torch.compiler.is_compiling():  # one registered operator per group (optim/traced.py)
             for index, group in enumerate(self.param_groups):
                 params, grads, tensors = [], [], []

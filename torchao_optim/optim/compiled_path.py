@@ -109,7 +109,8 @@ def round_keys(optimizer, params, steps, group, device) -> tuple[Tensor, ...] | 
 
 def step_compiled(optimizer, params: list[Tensor], states: list[dict], group) -> None:
     """The step of ``params`` on the compiled path: step counts advanced and coefficients computed per device
-    (a handful of small kernels, not a handful per parameter), then each parameter's ``_step_one``."""
+    (a handful of small kernels, not a handful per parameter), then each parameter's ``_step_one`` (through the
+    optimizer's ``_step_params``)."""
     check_state_shapes(params, states, optimizer.STATE_KEYS, optimizer._rounding)
     columns = ColumnReduce.for_step(params)  # states whose column maxima span ranks (optim/sharded_columns.py)
     by_device: dict[torch.device, list[int]] = {}
@@ -125,12 +126,13 @@ def step_compiled(optimizer, params: list[Tensor], states: list[dict], group) ->
         coefs = torch.nn.functional.pad(coefs, (0, 0, 1, 0))
         rows64, rows32 = coefs.unbind(0), coefs.to(torch.float32).unbind(0)
         keys = round_keys(optimizer, [params[i] for i in idx], steps, group, device)
-        for row, i in enumerate(idx, start=1):
-            p = params[i]
-            state = states[i] if columns is None else columns.stage(p, states[i])
-            if local(p).numel() == 0:
-                continue  # an empty shard (more ranks than rows): nothing to update, no graph to compile
-            key = keys[row] if keys is not None and p.dtype == torch.bfloat16 else None
-            optimizer._step_one(p, state, group, rows64[row] if p.dtype == torch.float64 else rows32[row], key)
+        chosen = [params[i] for i in idx]
+        staged = [states[i] if columns is None else columns.stage(params[i], states[i]) for i in idx]
+        rows = [rows64[row] if p.dtype == torch.float64 else rows32[row] for row, p in enumerate(chosen, start=1)]
+        keys = [
+            keys[row] if keys is not None and p.dtype == torch.bfloat16 else None
+            for row, p in enumerate(chosen, start=1)
+        ]
+        optimizer._step_params(group, chosen, staged, rows, keys)
     if columns is not None:
         columns.finish()

@@ -5,6 +5,13 @@ iterations. The elementwise half (the momentum buffer and the Nesterov direction
 update :func:`~torchao_optim.rules.muon.muon_momentum`, over a state of any format; the orthogonalization is
 ``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which
 computes the same thing (bit for bit on the CPU: tested against torch's where both exist).
+
+A matrix sharded by rows (FSDP2's ``Shard(0)``, HSDP's ``(Replicate(), Shard(0))``) keeps its momentum sharded:
+each rank updates its rows' quantized buffer. The orthogonalization needs the whole matrix: each rank's rows of
+the direction (fp32) are gathered onto the rank that owns the matrix's orthogonalization (round-robin over the
+ranks that split the rows, in parameter order), Newton-Schulz runs there, and each rank receives its rows of the
+result (bf16, as Newton-Schulz returns it): :func:`~torchao_optim.optim.sharded.map_whole`. docs/distributed.md
+gives the bytes moved.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled import CompiledOrEager
 from torchao_optim.optim.compiled_path import flat_aliases
-from torchao_optim.optim.sharded import is_dtensor
+from torchao_optim.optim.sharded import is_dtensor, local, map_whole, row_shard_dim
 from torchao_optim.rules import ADAM, adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param
 
 __all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
@@ -85,6 +92,12 @@ class Muon8bit(LowBitOptimizer):
     ``adamw_eps``, the group's ``lr`` and ``weight_decay``, and low-bit ``exp_avg``/``exp_avg_sq``: give them
     a group of their own with AdamW's lr. A non-finite gradient element keeps its buffer and parameter, and
     counts as 0 in the direction (the orthogonalization mixes every element of the matrix).
+
+    Under FSDP2 and HSDP (matrices sharded by rows, ``Shard(0)``), each rank keeps and updates the momentum of its
+    own rows; each matrix's direction is gathered onto one rank (round-robin in parameter order), orthogonalized
+    there and scattered back by rows, so that training is that of one process (docs/distributed.md). Every rank
+    must step the same matrices in the same order, as FSDP2's do. Other shardings of a matrix Muon orthogonalizes
+    (``Shard(1)``, rows split along two mesh dimensions) are refused (``ValueError``) when the group is added.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups (a group may set ``use_muon``).
@@ -195,6 +208,7 @@ class Muon8bit(LowBitOptimizer):
     def _setup(self, compile, fused, foreach=None, capturable=False, offload_state=False) -> None:
         super()._setup(compile, fused, foreach, capturable, offload_state)
         self._adam_update = CompiledOrEager(adam_update, enabled=self._compile)
+        self._owner_orders = None  # (the param groups, id(matrix) -> its order): see _owner_order
 
     def _check_hyperparams(self, group) -> None:
         check_number("learning rate", group["lr"])
@@ -225,6 +239,18 @@ class Muon8bit(LowBitOptimizer):
             for p in group["params"]:
                 if p.dim() != 2:
                     raise ValueError(f"use_muon=True: Muon updates 2-D parameters only, got shape {tuple(p.shape)}")
+        for p in group["params"]:
+            # Checked here, not in step(): a step that fails on a matrix would have updated the others
+            if self._uses_muon(group, p) and is_dtensor(p):
+                try:
+                    row_shard_dim(p.placements)
+                except ValueError:
+                    raise ValueError(
+                        f"Muon8bit cannot orthogonalize the parameter of shape {tuple(p.shape)} sharded as "
+                        f"{tuple(p.placements)}: it gathers matrices split by rows along one mesh dimension "
+                        f"(Shard(0), every other mesh dimension Replicate()). Give it to the AdamW fallback "
+                        f"(use_muon=False in its param group)"
+                    ) from None
 
     def _uses_muon(self, group, p: Tensor) -> bool:
         return group["use_muon"] if group["use_muon"] is not None else p.dim() == 2
@@ -258,6 +284,66 @@ class Muon8bit(LowBitOptimizer):
         adam = adam_coefficients(steps, torch.stack([lr, b1, b2, eps, weight_decay]), True)
         return torch.cat([muon, adam], dim=-1)
 
+    def _step_params(self, group, params, states, coefs, round_keys) -> None:
+        """Each parameter's :meth:`_step_one`, but for the matrices whose rows are split across ranks: their
+        momentum on the local rows, their orthogonalization on the rank that owns it (:meth:`_step_sharded`)."""
+        split = [
+            self._uses_muon(group, p) and is_dtensor(p) and row_shard_dim(p.placements) is not None for p in params
+        ]
+        rest = [i for i, s in enumerate(split) if not s]
+        super()._step_params(*([group] + [[items[i] for i in rest] for items in (params, states, coefs, round_keys)]))
+        if len(rest) < len(params):
+            chosen = [i for i, s in enumerate(split) if s]
+            self._step_sharded(group, *[[items[i] for i in chosen] for items in (params, states, coefs, round_keys)])
+
+    def _owner_order(self, p: Tensor) -> int:
+        """``p``'s position among the optimizer's sharded matrices that Muon orthogonalizes, in parameter order:
+        its orthogonalization's owner is this, modulo the ranks that split its rows (every rank computes the
+        same, also when parameters step one at a time in backward)."""
+        groups = tuple(self.param_groups)
+        cached = self._owner_orders
+        if cached is None or len(cached[0]) != len(groups) or any(a is not b for a, b in zip(cached[0], groups)):
+            sharded = (q for g in groups for q in g["params"] if self._uses_muon(g, q) and is_dtensor(q))
+            cached = self._owner_orders = (groups, {id(q): i for i, q in enumerate(sharded)})
+        return cached[1][id(p)]
+
+    def _step_sharded(self, group, params, states, coefs, round_keys) -> None:
+        """Muon on matrices split by rows: each rank's momentum and direction on its rows (an empty shard has
+        none), the directions gathered onto each matrix's owner, orthogonalized there, and each rank's rows of
+        the result scattered back (:func:`map_whole`); then each rank's rows of the parameter updated. The same
+        numbers as one process: the momentum is elementwise, the orthogonalization the same function of the same
+        matrix, the update elementwise."""
+        directions, oks = [], []
+        for p, state, row in zip(params, states, coefs):
+            shard = local(p)
+            dtype = torch.promote_types(p.dtype, torch.float32)  # the direction's, on every rank alike
+            if shard.numel() == 0:
+                directions.append(shard.new_zeros(shard.shape, dtype=dtype))
+                oks.append(shard.new_zeros(shard.shape, dtype=torch.bool))
+                continue
+            with flat_aliases(None, p.grad, [state["momentum_buffer"]]) as (_, grad, (buf,)):
+                direction, ok = self._update(grad, buf, row[:4], nesterov=group["nesterov"], maximize=group["maximize"])
+            directions.append(direction.reshape(shard.shape).to(dtype))
+            oks.append(ok.reshape(shard.shape))
+
+        def ns(whole, i):
+            return orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+        owners = [self._owner_order(p) for p in params]
+        # Newton-Schulz returns bf16 (it computes in bf16): the rows scattered back are bf16, exactly
+        orthos = map_whole(params, directions, ns, owners, torch.bfloat16)
+        for p, ortho, ok, row, key in zip(params, orthos, oks, coefs, round_keys):
+            if ortho.numel():
+                self._apply(p, ortho, ok, row, group, key)
+
+    def _apply(self, p: Tensor, ortho: Tensor, ok: Tensor, coefs: Tensor, group, round_key) -> None:
+        """``p``'s local tensor from its rows of the orthogonalized direction: decayed, then moved by lr times the
+        ratio of ``p``'s (global) shape; elements that are not ``ok`` kept."""
+        shard = local(p)
+        x = shard.to(torch.promote_types(p.dtype, torch.float32))
+        new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)
+        store_param(shard, torch.where(ok, new, x), round_key)
+
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         if not self._uses_muon(group, p):
             with flat_aliases(p, p.grad, [state["exp_avg"], state["exp_avg_sq"]]) as (param, grad, states):
@@ -273,15 +359,9 @@ class Muon8bit(LowBitOptimizer):
                     round_key=round_key,
                 )
             return
-        if is_dtensor(p):
-            raise NotImplementedError(
-                f"Muon8bit: the parameter of shape {tuple(p.shape)} is sharded ({p.placements}); orthogonalizing "
-                f"its update needs the whole matrix, which a sharded step does not gather. Give it to the AdamW "
-                f"fallback (use_muon=False in its param group) or keep it unsharded"
-            )
+        # a whole matrix: a plain tensor, or a DTensor every rank holds whole (replicated)
+        shape = local(p).shape
         with flat_aliases(None, p.grad, [state["momentum_buffer"]]) as (_, grad, (buf,)):
             direction, ok = self._update(grad, buf, coefs[:4], nesterov=group["nesterov"], maximize=group["maximize"])
-        ortho = orthogonalize(direction.reshape(p.shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
-        x = p.to(torch.promote_types(p.dtype, torch.float32))
-        new = x * coefs[1] - (coefs[0] * lr_ratio(p.shape, group["adjust_lr_fn"])) * ortho.to(x.dtype)
-        store_param(p, torch.where(ok.reshape(p.shape), new, x), round_key)
+        ortho = orthogonalize(direction.reshape(shape), group["ns_coefficients"], group["ns_steps"], group["eps"])
+        self._apply(p, ortho, ok.reshape(shape), coefs, group, round_key)

@@ -2,7 +2,8 @@
 
 A sharded parameter's state is a DTensor with the parameter's mesh, placements, global shape and stride, whose
 local tensor is the state of the local shard: quantized from the shard alone, so a rank never holds more
-than its share. The step works on local tensors only (:func:`local`).
+than its share. The step works on local tensors only (:func:`local`), but for an update that needs a whole
+matrix (Muon's orthogonalization): :func:`map_whole` gathers it onto one rank and scatters the result's rows.
 
 The block rule. FSDP2 shards dim 0 in chunks of ``ceil(rows / world)`` rows, so a flat block of 256 elements
 could straddle two ranks, and where blocks fall would then depend on the world size (torchao #4912): the
@@ -21,6 +22,7 @@ import math
 import sys
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 __all__ = [
@@ -32,6 +34,8 @@ __all__ = [
     "local_part",
     "local_rows",
     "element_offset",
+    "row_shard_dim",
+    "map_whole",
 ]
 
 
@@ -138,3 +142,72 @@ def local_part(p: Tensor, full: Tensor) -> Tensor:
         return full
     start, rows = local_rows(p)
     return full if rows == full.shape[0] else full.narrow(0, start, rows)
+
+
+def row_shard_dim(placements: Sequence) -> int | None:
+    """The mesh dimension whose ranks split a DTensor's rows, for ``placements`` that are ``Replicate()`` on every
+    mesh dimension but at most one, which is ``Shard(0)`` (FSDP2; HSDP's ``(Replicate(), Shard(0))``); None where
+    every dimension replicates (each rank holds the whole tensor). ValueError for any other sharding."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [i for i, pl in enumerate(placements) if type(pl) is not Replicate]
+    if len(dims) > 1 or any(not (type(placements[i]) is Shard and placements[i].dim == 0) for i in dims):
+        raise ValueError(
+            f"placements {tuple(placements)}: the rows must be split along one mesh dimension (Shard(0)), "
+            f"every other one Replicate()"
+        )
+    return dims[0] if dims else None
+
+
+def map_whole(params: Sequence[Tensor], shards: Sequence[Tensor], fn, owners: Sequence[int], out_dtype) -> list:
+    """For each DTensor ``params[i]`` whose rows are split along one mesh dimension (:func:`row_shard_dim`), with
+    ``shards[i]`` a tensor of its local shard's shape: each rank's rows of ``fn(whole, i)``, in ``out_dtype``,
+    where ``whole`` is the tensor of the global shape that the ranks' ``shards[i]`` make up.
+
+    ``fn`` runs once per tensor and mesh group, on the rank ``owners[i] % size`` of that dimension (``size``
+    ranks): every rank's shard is gathered there (``torch.distributed.gather``), and the rows of the result are
+    scattered back (``scatter``). Every rank of each group must call this with the same tensors in the same order
+    (collectives). All gathers are issued first, then, in order, each owner's ``fn`` and each scatter: the owners
+    of different tensors run ``fn`` at the same time. A tensor replicated on every mesh dimension, or split over a
+    dimension of one rank, is ``fn`` of the local tensor, with no communication.
+
+    FSDP2 gives each rank ``ceil(rows / size)`` rows, the last ranks fewer or none: each shard travels padded
+    to that many rows (gather and scatter move equal sizes). The collectives run on the mesh's device; a shard
+    held elsewhere (``CPUOffloadPolicy`` on GPUs) is copied there and back, and ``fn`` runs where the shards are.
+    """
+    import torch.distributed as dist
+
+    results: list = [None] * len(params)
+    pending = []
+    for i, (p, shard) in enumerate(zip(params, shards)):
+        dim = row_shard_dim(p.placements)
+        mesh = p.device_mesh
+        if dim is None or mesh.size(dim) == 1:
+            results[i] = fn(shard, i).to(out_dtype)
+            continue
+        group, size, rank = mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim)
+        owner = owners[i] % size
+        chunk = -(-p.shape[0] // size)
+        comm = shard.device if shard.device.type == mesh.device_type else torch.device(mesh.device_type)
+        padded = torch.zeros((chunk, *shard.shape[1:]), dtype=shard.dtype, device=comm)
+        padded[: shard.shape[0]].copy_(shard)
+        gathered = [torch.empty_like(padded) for _ in range(size)] if rank == owner else None
+        dst = dist.get_global_rank(group, owner)
+        work = dist.gather(padded, gathered, dst=dst, group=group, async_op=True)
+        pending.append((i, group, dst, rank == owner, chunk, comm, padded, gathered, work))
+    scatters = []
+    for i, group, src, owns, chunk, comm, _sent, gathered, work in pending:  # _sent: alive until gathered
+        shard = shards[i]
+        pieces = None
+        work.wait()
+        if owns:
+            whole = torch.cat(gathered)[: params[i].shape[0]].to(shard.device)
+            out = fn(whole, i).to(device=comm, dtype=out_dtype)
+            out = torch.cat([out, out.new_zeros((len(gathered) * chunk - out.shape[0], *out.shape[1:]))])
+            pieces = list(out.split(chunk))
+        rows = torch.empty((chunk, *shard.shape[1:]), dtype=out_dtype, device=comm)
+        scatters.append((i, rows, pieces, dist.scatter(rows, pieces, src=src, group=group, async_op=True)))
+    for i, rows, _, work in scatters:
+        work.wait()
+        results[i] = rows[: shards[i].shape[0]].to(shards[i].device)
+    return results
