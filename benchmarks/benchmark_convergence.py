@@ -46,6 +46,9 @@ expected to end in time (the runs left out are recorded). ``--merge PATH [PATH .
 ``results.json`` (refusing runs of other settings, another corpus, or a run twice) and writes the table,
 ``results.json`` and ``val_loss.png`` of all of them under ``--out``.
 
+``--formats_from FILE`` runs a Python file first, which may register state formats and optimizers of its own
+(``benchmarks/fourbit_variants.py``: the 4-bit variants), so that ``--optims`` accepts their names.
+
 The script exits with status 1 when an optimizer fails the acceptance check or its target, or when runs were left
 out for want of time (after writing its results), 0 otherwise (an undecided check, with one seed, is not a failure).
 """
@@ -58,6 +61,7 @@ import json
 import math
 import os
 import platform
+import runpy
 import statistics
 import sys
 import time
@@ -738,6 +742,14 @@ def build_parser() -> argparse.ArgumentParser:
         "recorded as skipped_runs, and make the exit status 1. Default: no limit",
     )
     parser.add_argument(
+        "--formats_from",
+        "--formats-from",
+        metavar="FILE",
+        default=None,
+        help="a Python file run first, which registers more state formats or optimizers (e.g. "
+        "benchmarks/fourbit_variants.py): their names are then accepted by --optims",
+    )
+    parser.add_argument(
         "--merge",
         nargs="+",
         metavar="PATH",
@@ -796,6 +808,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if not args.seeds:
         fail("--seeds is empty")
 
+    if args.formats_from is not None:
+        if not os.path.isfile(args.formats_from):
+            fail(f"--formats_from {args.formats_from}: no such file")
+        runpy.run_path(args.formats_from)  # registers formats (register_state_format) and optimizers
     if args.optims is None:
         args.optims = ",".join(default_optims(args.all_formats))
     elif args.all_formats:

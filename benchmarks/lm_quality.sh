@@ -22,8 +22,16 @@
 #     125m-rank1                                  AdamW-4bit_rank1, seeds 0, 1, 2 (per-parameter compiled path)
 #   gpt350m, seed 0 (each low-bit format within 1% of fp32 AdamW):
 #     350m-a  350m-b                              AdamW, AdamW4bit; AdamW8bit, AdamWFp8
+# and the 4-bit variants (benchmarks/fourbit_variants.py, loaded by --formats_from; each one change from AdamW4bit,
+# on the fused path), to compare with the 125m-4bit part of the same seed:
+#     125m-4bitvar-s0  125m-4bitvar-s1  125m-4bitvar-s2
+#         AdamW-4bit_dyn (exp_avg's codebook the dynamic tree map), AdamW-4bit_b64 (blocks of 64), AdamW4bit-emb8
+#         (the embeddings in 8-bit), AdamW4bit-small8 (every tensor of at most 2**19 elements in 8-bit); seed 0, 1, 2
 # then, wherever the parts' folders were gathered (any machine, no GPU needed):
-#   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-* --out results/lm_quality/gpt125m
+#   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-{4bit,8bit}-s* \
+#       results/lm_quality/125m-rank1 --out results/lm_quality/gpt125m
+#   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-4bit-s* \
+#       results/lm_quality/125m-4bitvar-s* --out results/lm_quality/gpt125m-4bitvar
 #   python benchmarks/benchmark_convergence.py --merge results/lm_quality/350m-* --out results/lm_quality/gpt350m
 # which write results.md (mean ± range over seeds, state bytes per parameter, time, and the targets), results.json
 # and val_loss.png. Start with 125m-4bit-s0 and 125m-4bit-s1: fp32 AdamW, 4-bit and torchao's 4-bit on two seeds.
@@ -32,10 +40,13 @@ OUT=${OUT:-results/lm_quality}
 PART=${PART:?"set PART to a part's name (PART=list prints them)"}
 BUDGET_S=${BUDGET_S:-510}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+VARIANTS="AdamW-4bit_dyn,AdamW-4bit_b64,AdamW4bit-emb8,AdamW4bit-small8"
 
-part() {  # the model, optimizers and seeds of part $1
+part() {  # the model, optimizers and seeds of part $1, then any flags of its own
     case "$1" in
         125m-4bit-s[0-9]) echo "gpt125m AdamW,AdamW4bit,AdamWTorchao4bit ${1#125m-4bit-s}" ;;
+        125m-4bitvar-s[0-9]) echo "gpt125m $VARIANTS ${1#125m-4bitvar-s} --formats_from $HERE/fourbit_variants.py" ;;
         125m-8bit-s[0-9]) echo "gpt125m AdamW8bit,AdamWFp8,AdamWBnb8bit,AdamWTorchao8bit ${1#125m-8bit-s}" ;;
         125m-rank1) echo "gpt125m AdamW-4bit_rank1 0,1,2" ;;
         350m-a) echo "gpt350m AdamW,AdamW4bit 0" ;;
@@ -45,9 +56,10 @@ part() {  # the model, optimizers and seeds of part $1
     esac
 }
 if [[ "$PART" == list ]]; then
-    for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b; do
-        read -r model optims seeds <<<"$(part "$p")"
-        echo "$p: --model_size $model --optims $optims --seeds $seeds"
+    for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b \
+        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2; do
+        read -r model optims seeds flags <<<"$(part "$p")"
+        echo "$p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}"
     done
     exit 0
 fi
@@ -57,7 +69,7 @@ done
 
 status=0
 for p in $PART; do
-    read -r model optims seeds <<<"$(part "$p")"
+    read -r model optims seeds flags <<<"$(part "$p")"
     # the budget left to this part, less the interpreter's start (imports) before the script starts its clock
     left=$((BUDGET_S - SECONDS - 15))
     if ((left < 60)); then
@@ -66,10 +78,10 @@ for p in $PART; do
         continue
     fi
     mkdir -p "$OUT/$p"
-    echo "part $p: --model_size $model --optims $optims --seeds $seeds, budget ${left} s"
-    # shellcheck disable=SC2086  # EXTRA_ARGS is a list of flags
+    echo "part $p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}, budget ${left} s"
+    # shellcheck disable=SC2086  # EXTRA_ARGS and the part's flags are lists of flags
     python benchmarks/benchmark_convergence.py --model_size "$model" --device "${DEVICE:-cuda}" --optims "$optims" \
-        --seeds "$seeds" --skip_missing --budget_s "$left" --out "$OUT/$p" ${EXTRA_ARGS:-} 2>&1 \
+        --seeds "$seeds" --skip_missing --budget_s "$left" --out "$OUT/$p" ${flags:-} ${EXTRA_ARGS:-} 2>&1 \
         | tee "$OUT/$p/log.txt" | grep -vE "it/s|s/it" || status=1
     # the merge draws the plots and tables; a part keeps results.json and its log (few files to carry back)
     rm -f "$OUT/$p/results.md" "$OUT/$p/val_loss.png"

@@ -22,7 +22,8 @@ edit. Names:
   weight decay 3x to keep ``lr * weight_decay``), Muon matches AdamW's update size
   (``adjust_lr_fn="match_rms_adamw"``). The factor is the optimizer's ``lr_scale``, which :func:`set_lr` applies.
 
-Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...).
+Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...). A benchmark-only
+module adds optimizers of its own with :func:`register_optimizer` (``benchmarks/fourbit_variants.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from torchao_optim.state import QuantizedState  # noqa: E402
 __all__ = [
     "OptimizerEntry",
     "optimizer_table",
+    "register_optimizer",
     "resolve",
     "build",
     "missing_package",
@@ -251,7 +253,23 @@ def optimizer_table() -> dict[str, OptimizerEntry]:
         )
     )
     entries += _other_rules()
-    return {e.name: e for e in entries}
+    table = {e.name: e for e in entries}
+    return table | _REGISTERED
+
+
+# Optimizers added by benchmark-only modules (register_optimizer), after the built-in ones.
+_REGISTERED: dict[str, OptimizerEntry] = {}
+
+
+def register_optimizer(entry: OptimizerEntry) -> OptimizerEntry:
+    """Add ``entry`` to :func:`optimizer_table`, so that every benchmark accepts its name. Registering a name again
+    replaces the entry (a module loaded twice); a built-in name is refused (ValueError naming it)."""
+    if not isinstance(entry, OptimizerEntry):
+        raise TypeError(f"register_optimizer expects an OptimizerEntry, got {entry!r}")
+    if entry.name not in _REGISTERED and (entry.name in optimizer_table() or entry.name in ALIASES):
+        raise ValueError(f"optimizer name {entry.name!r} is built in; register a variant under another name")
+    _REGISTERED[entry.name] = entry
+    return entry
 
 
 # Names the benchmarks used before they shared this table: still accepted.

@@ -393,6 +393,11 @@ def test_lm_quality_parts_make_the_full_acceptance(monkeypatch):
     together run every optimizer the acceptance needs: three seeds of each on gpt125m, one seed of fp32 and each
     low-bit format on gpt350m."""
     monkeypatch.setattr(bench.optimizers, "missing_package", lambda name: None)  # peers need not be installed here
+    # the variant parts' --formats_from registers formats and optimizers: forgotten after this test
+    from torchao_optim.state import registry
+
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    monkeypatch.setattr(bench.optimizers, "_REGISTERED", dict(bench.optimizers._REGISTERED))
     script = bench.Path(bench.HERE) / "lm_quality.sh"
     listed = subprocess.run(
         ["bash", str(script)], env={"PART": "list", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, check=True
@@ -405,6 +410,8 @@ def test_lm_quality_parts_make_the_full_acceptance(monkeypatch):
     ours = ["AdamW", "AdamW8bit", "AdamWFp8", "AdamW4bit"]
     assert {("gpt125m", o, s) for o in [*ours, "AdamW-4bit_rank1", *peers] for s in (0, 1, 2)} <= covered
     assert {("gpt350m", o, 0) for o in ours} <= covered
+    variants = ["AdamW-4bit_dyn", "AdamW-4bit_b64", "AdamW4bit-emb8", "AdamW4bit-small8"]
+    assert {("gpt125m", o, s) for o in variants for s in (0, 1, 2)} <= covered
 
 
 @pytest.mark.slow

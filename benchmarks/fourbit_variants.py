@@ -1,0 +1,110 @@
+"""Variants of the 4-bit state, for finding which choice closes its gap to fp32 AdamW on the language-model benchmark.
+
+Loaded by ``benchmark_convergence.py --formats_from benchmarks/fourbit_variants.py`` (the ``125m-4bitvar-s<seed>``
+parts of ``benchmarks/lm_quality.sh``), it registers, for the benchmark only (the library's ``"4bit"`` is
+unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, blocks of 128):
+
+- ``AdamW-4bit_dyn``: format ``"4bit_dyn"``, ``exp_avg``'s codebook the 4-bit dynamic tree map (``first_moment =
+  "dynamic"``, torchao's and the 4-bit paper's);
+- ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
+  parameter for Adam's two, against 1.06);
+- ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
+  (``"dtq8"``): in ``gpt.py``'s groups the embeddings, biases and LayerNorm weights (those under ``min_quant_size``,
+  4096 elements, keep fp32 state in any case, so on ``gpt125m`` this is the two embeddings);
+- ``AdamW4bit-small8``: ``"4bit"``, but every parameter of at most :data:`SMALL` elements keeps 8-bit state: on
+  ``gpt125m`` and ``gpt350m`` the two embeddings and the output head (the matrices of the blocks are larger).
+
+Every variant takes the fused path (``fast_path_layout()``), so it trains at 4-bit speed. A signed linear map for
+``exp_avg`` is not among them: the library holds none (``quant`` has the dynamic map and the unsigned linear one).
+Loading this file again registers nothing new.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)  # optimizers.py, when this file is loaded on its own
+import optimizers  # noqa: E402  (the table every benchmark shares; it puts this checkout first)
+
+import torchao_optim  # noqa: E402
+from torchao_optim.state import FourBitTensor, register_state_format  # noqa: E402
+
+# Parameters of at most this many elements keep 8-bit state in AdamW4bit-small8: 2**19 takes gpt350m's position
+# embedding (512 x 1024) and leaves out gpt125m's attention projections (768 x 768).
+SMALL = 2**19
+
+# format name: (class name, the class attributes it changes from FourBitTensor's)
+FORMATS = {
+    "4bit_dyn": ("FourBitDynamicTensor", {"first_moment": "dynamic"}),
+    "4bit_b64": ("FourBitBlock64Tensor", {"default_block_size": 64}),
+}
+
+
+def _split_groups(params, eight_bit, name: str) -> list[dict]:
+    """``params`` (parameters, or param groups) as param groups with ``state_format`` set: ``"dtq8"`` for each
+    parameter where ``eight_bit(p, group, groups)``, ``"4bit"`` for the others; a group split in two keeps its
+    other settings in both."""
+    params = list(params)
+    groups = params if params and isinstance(params[0], dict) else [{"params": params}]
+    groups = [dict(g, params=list(g["params"])) for g in groups]
+    out = []
+    for group in groups:
+        chosen = [eight_bit(p, group, groups) for p in group["params"]]
+        for state_format, pick in (("4bit", False), ("dtq8", True)):
+            members = [p for p, c in zip(group["params"], chosen) if c is pick]
+            if members:
+                out.append(dict(group, params=members, state_format=state_format))
+    if not out:
+        raise ValueError(f"{name}: no parameters to optimize")
+    return out
+
+
+def _undecayed_group(p, group, groups) -> bool:
+    decays = [g.get("weight_decay") for g in groups]
+    if not any(decays) or all(decays):
+        raise ValueError(
+            "AdamW4bit-emb8 keeps the parameters of the groups without weight decay (embeddings, biases, norms) "
+            f"in 8-bit, so it needs groups with and without weight decay; got weight decays {decays}"
+        )
+    return not group.get("weight_decay")
+
+
+def _small(p, group, groups) -> bool:
+    return p.numel() <= SMALL
+
+
+def _four_bit_with_8bit(eight_bit, name: str):
+    def make(params, lr, weight_decay, betas, eps, compile):
+        groups = _split_groups(params, eight_bit, name)
+        return torchao_optim.AdamW(
+            groups, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, compile=compile, state_format="4bit"
+        )
+
+    return make
+
+
+OPTIMIZERS = {
+    "AdamW4bit-emb8": (
+        "torchao_optim.AdamW: 4bit state, dtq8 for the param groups without weight decay",
+        _undecayed_group,
+    ),
+    "AdamW4bit-small8": (f"torchao_optim.AdamW: 4bit state, dtq8 for parameters of at most {SMALL} elements", _small),
+}
+
+
+def register() -> list[str]:
+    """Register the variant formats (where not yet registered) and optimizers; returns the optimizer names."""
+    for name, (cls_name, attrs) in FORMATS.items():
+        if name not in torchao_optim.list_state_formats():
+            register_state_format(name)(type(cls_name, (FourBitTensor,), {**attrs, "__module__": __name__}))
+    for name, (description, eight_bit) in OPTIMIZERS.items():
+        optimizers.register_optimizer(
+            optimizers.OptimizerEntry(name, description, _four_bit_with_8bit(eight_bit, name), None, "4bit")
+        )
+    return [f"AdamW-{name}" for name in FORMATS] + list(OPTIMIZERS)
+
+
+VARIANTS = register()

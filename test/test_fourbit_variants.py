@@ -1,0 +1,102 @@
+"""The 4-bit variants of the language-model benchmark (benchmarks/fourbit_variants.py): registered for the benchmark
+only, each one change from "4bit", each on the fused path, and runnable through benchmark_convergence.py."""
+
+import json
+
+import pytest
+import torch
+from benchmark_scripts import BENCHMARKS, load_benchmark
+
+import torchao_optim
+from torchao_optim.optim.explain import route
+from torchao_optim.quant import dynamic_map_values
+from torchao_optim.state import registry
+
+bench = load_benchmark("benchmark_convergence")
+VARIANTS_FILE = str(BENCHMARKS / "fourbit_variants.py")
+TINY = bench.PRESETS["tiny"].model
+
+
+@pytest.fixture
+def variants(monkeypatch):
+    """Load the variants as benchmark_convergence.py's --formats_from does; the formats and optimizers they register
+    are forgotten after the test, so that the other tests' sweeps over every registered format do not see them."""
+    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
+    monkeypatch.setattr(bench.optimizers, "_REGISTERED", dict(bench.optimizers._REGISTERED))
+    names = bench.runpy.run_path(VARIANTS_FILE)["VARIANTS"]
+    return names
+
+
+def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
+    four = torchao_optim.get_state_format("4bit")
+    assert four.first_moment == "quadratic" and four.default_block_size == 128  # the library's default
+    layouts = {}
+    for name in ("4bit", "4bit_dyn", "4bit_b64"):
+        fmt = torchao_optim.get_state_format(name)
+        # each state's layout is what the fused kernels read: every variant takes them
+        layouts[name] = [fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() for s in (True, False)]
+        assert None not in layouts[name] and bench.has_fused_layout(name)
+    (m4, v4), (md, vd), (mb, vb) = layouts["4bit"], layouts["4bit_dyn"], layouts["4bit_b64"]
+    assert md.codebook == dynamic_map_values(True, 3, 4) != m4.codebook and (md.block_size, vd) == (128, v4)
+    assert (mb.block_size, vb.block_size) == (64, 64) and (mb.codebook, vb.codebook) == (m4.codebook, v4.codebook)
+    # loading the file again registers nothing new and keeps every name
+    assert bench.runpy.run_path(VARIANTS_FILE)["VARIANTS"] == variants
+    assert variants == ["AdamW-4bit_dyn", "AdamW-4bit_b64", "AdamW4bit-emb8", "AdamW4bit-small8"]
+    with pytest.raises(ValueError, match="optimizer name 'AdamW4bit' is built in"):
+        bench.optimizers.register_optimizer(bench.optimizers.OptimizerEntry("AdamW4bit", "", None))
+
+
+def test_every_variant_steps_a_gpt_on_the_fused_path(variants):
+    """One step of a one-block GPT of width 512: every parameter with quantized state is updated by the fused step,
+    in the format its variant says (-emb8: the embeddings in 8-bit; -small8: every matrix of at most 2**19 elements,
+    here all but the 512 x 1536 and 512 x 2048 ones of the block)."""
+    torch.manual_seed(0)
+    model = bench.GPT(bench.GPTConfig(d_model=512, n_layer=1, n_head=2, context=64))
+    names = {p: n for n, p in model.named_parameters()}
+    x = torch.randint(0, 256, (2, 16))
+    model(x, x).backward()
+    main = {"AdamW-4bit_dyn": "4bit_dyn", "AdamW-4bit_b64": "4bit_b64"}
+    for name in variants:
+        optimizer = bench.optimizers.build(name, model.param_groups(0.1), lr=1e-3)
+        optimizer.step()
+        formats = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                executor, words, why = route(optimizer, p, group)
+                assert executor.startswith("fused"), (name, names[p], words, why)
+                formats[names[p]] = getattr(optimizer.state[p]["exp_avg"], "format_name", "plain")
+        four = main.get(name, "4bit")
+        assert formats["blocks.0.mlp.fc.weight"] == formats["blocks.0.attn.qkv.weight"] == four
+        assert formats["blocks.0.ln_attn.weight"] == "plain"  # under min_quant_size, whatever the variant
+        embeddings = "dtq8" if name in ("AdamW4bit-emb8", "AdamW4bit-small8") else four
+        assert formats["tok_emb.weight"] == formats["pos_emb.weight"] == embeddings
+        small = "dtq8" if name == "AdamW4bit-small8" else four  # the head (256 x 512), the attention's projection
+        assert formats["head.weight"] == formats["blocks.0.attn.proj.weight"] == small
+
+
+def test_emb8_needs_groups_with_and_without_weight_decay(variants):
+    model = bench.GPT(TINY)
+    with pytest.raises(ValueError, match=r"needs groups with and without weight decay; got weight decays \[None\]"):
+        bench.optimizers.build("AdamW4bit-emb8", model.parameters())
+
+
+def test_a_variant_runs_through_the_benchmark(variants, tmp_path):
+    """benchmark_convergence.py --formats_from: a variant's name is an optimizer like the others, and its run is
+    recorded with its state's bytes (the embeddings' 8-bit state costs more than 4-bit's)."""
+    argv = ["--model_size", "tiny", "--steps", "4", "--batch_size", "4", "--seq_len", "32", "--seeds", "0"]
+    argv += ["--eval_every", "4", "--eval_batches", "1", "--device", "cpu", "--out", str(tmp_path)]
+    result = bench.main([*argv, "--formats_from", VARIANTS_FILE, "--optims", "AdamW4bit,AdamW4bit-emb8"])
+    runs = json.loads((tmp_path / "results.json").read_text())["runs"]
+    assert [r["optimizer"] for r in runs] == ["AdamW4bit", "AdamW4bit-emb8"] and not result["skipped_runs"]
+    assert runs[0]["init_param_checksum"] == runs[1]["init_param_checksum"]
+    assert all(r["final_val_loss"] < r["val_curve"][0][1] for r in runs)  # trained
+    # the embeddings (256 x 64 and 64 x 64) in dtq8: 1 + 4/256 bytes per element and state, not 0.5 + 4/128
+    extra = (256 * 64 + 64 * 64) * 2 * ((1 + 4 / 256) - (0.5 + 4 / 128))
+    assert runs[1]["state_bytes"] - runs[0]["state_bytes"] == pytest.approx(extra)
+    assert result["config"]["formats_from"] == VARIANTS_FILE
+
+
+def test_formats_from_a_missing_file_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--formats_from", "no_such_file.py"])
+    assert "--formats_from no_such_file.py: no such file" in capsys.readouterr().err
