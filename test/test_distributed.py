@@ -1262,6 +1262,11 @@ SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU core
 OFFLOADED = ("AdamW", "SGD8bit", "Lion8bit")
 
 
+def fused_layout(fmt: str) -> bool:
+    """Whether the fused kernels read ``fmt``'s state of a matrix (rank-1 scales they do not)."""
+    return get_state_format(fmt).zeros((64, 256), signed=False).fast_path_layout() is not None
+
+
 def sweep_cases(world) -> list:
     """Every optimizer x every format x each of SWEEP_FEATURES (HSDP on 4 ranks), and offloaded state."""
     meshes = ("fsdp", "hsdp") if world == 4 else ("fsdp",)
@@ -1275,7 +1280,7 @@ def sweep_cases(world) -> list:
         Case(opt, fmt, mesh=mesh, executor="offload_state")
         for opt in OFFLOADED
         for fmt in FORMATS
-        if fmt == "none" or get_state_format(fmt).row_shardable  # (rank-1 scales: no fused layout to stream)
+        if fmt == "none" or fused_layout(fmt)  # (rank-1 scales: no fused layout to stream)
         for mesh in meshes
     ]
 
