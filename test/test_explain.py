@@ -90,3 +90,20 @@ def test_bug_report_says_why_the_cpu_step_is_missing(tmp_path):
     out = _report(env)
     assert "CPU (C step): not here (RuntimeError: no C compiler found" in out
     assert "C compiler: none found" in out
+
+
+@requires_c
+def test_muon_says_why_its_matrices_are_not_fused():
+    # Muon8bit's matrices take the per-parameter path whatever their state (no fused kernel orthogonalizes), its
+    # AdamW fallback the fused step; explain() says so, and agrees with where the step sends each parameter
+    model = _model()
+    opt = torchao_optim.Muon8bit(model.parameters(), lr=1e-3, compile=False)
+    report = opt.explain()
+    model(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    fused = _fused_params(opt)
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    assert matrices and not any(id(p) in fused for p in matrices)
+    assert all(id(p) in fused for p in model.parameters() if p.dim() != 2)
+    assert report.count("Muon orthogonalizes it") == 2, report  # the two Linear weights' lines
+    assert "fused C step" in report and "(missing)" not in report

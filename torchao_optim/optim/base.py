@@ -171,6 +171,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The fused kernel's rule for this group, or None where none implements it."""
         return None
 
+    def _unfused_param_reason(self, group, p: Tensor) -> str | None:
+        """Why ``p`` of ``group`` takes the per-parameter path whatever its state (None: its group's rule decides)."""
+        return None
+
     def _unfused_reason(self, group) -> str:
         """Why :meth:`_fused_rule` gives no rule for ``group`` (for error messages)."""
         return "its update rule"

@@ -48,7 +48,10 @@ def route(optimizer, p: Tensor, group) -> tuple[str, str, str]:
         return "no state to update", words, ""
     rule = optimizer._fused_rule(group) if optimizer._fused else None
     why = unfused_reason(p, grad, states, rule, optimizer._interpreter)
-    if optimizer._fused and rule is None:
+    own = optimizer._unfused_param_reason(group, p)
+    if optimizer._fused and own is not None:
+        why = own
+    elif optimizer._fused and rule is None:
         why = f"no fused kernel for this group's settings ({optimizer._unfused_reason(group)})"
     elif not optimizer._fused:
         why = "fused=False"

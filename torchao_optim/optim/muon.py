@@ -269,6 +269,11 @@ class Muon8bit(LowBitOptimizer):
         planned by none of them and takes the compiled path)."""
         return ADAM
 
+    def _unfused_param_reason(self, group, p: Tensor) -> str | None:
+        if self._uses_muon(group, p):
+            return "Muon orthogonalizes it: its momentum update and Newton-Schulz run on the per-parameter path"
+        return None
+
     def _launch_flags(self, group):
         return dict(decoupled=True, maximize=group["maximize"])
 
