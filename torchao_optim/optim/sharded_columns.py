@@ -55,12 +55,16 @@ def spans_ranks(p: Tensor, state: dict) -> bool:
     return is_dtensor(p) and any(shared_columns(p, v) for k, v in state.items() if k != "step")
 
 
-def _shard_groups(p: Tensor) -> list:
-    """The process groups of the mesh dimensions that shard ``p``'s rows (``Shard(0)``), in mesh order."""
+def _shard_dims(p: Tensor) -> list[int]:
+    """The mesh dimensions that shard ``p``'s rows (``Shard(0)``), in mesh order."""
     from torch.distributed.tensor import Shard
 
-    mesh = p.device_mesh
-    return [mesh.get_group(dim) for dim, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    return [dim for dim, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+
+
+def _shard_groups(p: Tensor) -> list:
+    """The process groups of the mesh dimensions that shard ``p``'s rows, in mesh order."""
+    return [p.device_mesh.get_group(dim) for dim in _shard_dims(p)]
 
 
 def _reduce(groups: list, maxima: list[Tensor]) -> list[Tensor]:
@@ -89,10 +93,7 @@ def _collective_device(p: Tensor) -> torch.device:
 
 def _shard_fraction(p: Tensor) -> float:
     """The share of ``p``'s rows a rank holds at most, from the mesh alone (the same number on every rank)."""
-    from torch.distributed.tensor import Shard
-
-    mesh = p.device_mesh
-    return 1 / math.prod(mesh.size(dim) for dim, pl in enumerate(p.placements) if isinstance(pl, Shard))
+    return 1 / math.prod(p.device_mesh.size(dim) for dim in _shard_dims(p))
 
 
 class ColumnReduce:
