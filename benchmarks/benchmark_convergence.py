@@ -42,9 +42,9 @@ are held to targets (:func:`targets`): on gpt125m, 4-bit, 8-bit and FP8 state's 
 range ``[min, max]``, 4-bit's also below torchao ``AdamW4bit``'s mean; on gpt350m, within 1% of AdamW's loss.
 A set of runs too long for one call is split into parts, each a list of optimizers and seeds: ``results.json`` is
 rewritten after every run, so a stopped call keeps what finished, and ``--budget_s`` starts a run only if it is
-expected to end in time (the runs left out are recorded). ``--merge PATH [PATH ...]`` then reads every part's
-``results.json`` (refusing runs of other settings, another corpus, or a run twice) and writes the table,
-``results.json`` and ``val_loss.png`` of all of them under ``--out``.
+expected to end in time, and stops one whose own pace says it will not (the runs left out are recorded).
+``--merge PATH [PATH ...]`` then reads every part's ``results.json`` (refusing runs of other settings, another
+corpus, or a run twice) and writes the table, ``results.json`` and ``val_loss.png`` of all of them under ``--out``.
 
 ``--formats_from FILE`` runs a Python file first, which may register state formats and optimizers of its own
 (``benchmarks/fourbit_variants.py``: the 4-bit variants), so that ``--optims`` accepts their names.
@@ -252,8 +252,22 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batches, device) -> dict:
-    """Train a fresh model with optimizer ``name`` on seed ``seed``; return the run's record."""
+class OutOfTime(Exception):
+    """A run stopped because, at the pace of its own steps, it would end after the budget's deadline;
+    ``run_seconds``: the whole run's wall time at that pace."""
+
+    def __init__(self, message: str, run_seconds: float):
+        super().__init__(message)
+        self.run_seconds = run_seconds
+
+
+def train_one(
+    name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batches, device, deadline: float | None = None
+) -> dict:
+    """Train a fresh model with optimizer ``name`` on seed ``seed``; return the run's record. With ``deadline`` (a
+    ``time.perf_counter()`` value), raise :class:`OutOfTime` as soon as the run's own pace (its last steps and
+    evaluation) says it would end after it: an optimizer slower than the estimate (another library's, or one on
+    the compiled path) is stopped early instead of running into the end of the call."""
     wall_start = time.perf_counter()
     torch.manual_seed(seed)
     model = GPT(model_cfg)  # built on the CPU, so the weights depend on the seed only
@@ -267,7 +281,9 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
     )
     batch_gen = torch.Generator().manual_seed(seed)  # same batches in the same order for every optimizer
 
+    eval_start = time.perf_counter()
     val_curve = [(0, evaluate(run_model, val_batches, device, args.amp))]
+    eval_s = time.perf_counter() - eval_start
     train_losses: list[float | None] = []
     step_times: list[float] = []
     graphs_before = compiled_graph_count()
@@ -287,7 +303,20 @@ def train_one(name: str, seed: int, args, model_cfg: GPTConfig, corpus, val_batc
         step_times.append(time.perf_counter() - start)
         train_losses.append(_finite_or_none(loss_value))
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            eval_start = time.perf_counter()
             val_curve.append((step + 1, evaluate(run_model, val_batches, device, args.amp)))
+            eval_s = time.perf_counter() - eval_start
+        if deadline is not None and step >= 10 and step % 10 == 0:
+            left = args.steps - step - 1
+            evals_left = left // args.eval_every + 1
+            projected = time.perf_counter() + left * statistics.median(step_times[-10:]) + evals_left * eval_s
+            if projected > deadline:
+                bar.close()
+                raise OutOfTime(
+                    f"{name} seed {seed} stopped at step {step + 1} of {args.steps}: at its pace it would end "
+                    f"{projected - deadline:.0f} s after the budget",
+                    projected - wall_start,
+                )
         bar.set_postfix(loss=f"{loss_value:.3f}", val=f"{val_curve[-1][1]:.3f}", refresh=False)
     bar.close()
 
@@ -738,7 +767,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="start a run only if it is expected to end within this many seconds of the script's start (its "
-        "estimate, or the time an earlier run of the same optimizer took); the runs left out are listed, "
+        "estimate, or the time an earlier run of the same optimizer took), and stop a run once its own steps' pace "
+        "says it would end later; the runs left out are listed, "
         "recorded as skipped_runs, and make the exit status 1. Default: no limit",
     )
     parser.add_argument(
@@ -1126,18 +1156,26 @@ def main(argv: Sequence[str] | None = None) -> dict:
     plan = [(name, seed) for seed in args.seeds for name in args.optims]
     runs: list[dict] = []
     skipped: list[dict] = []
-    for i, (name, seed) in enumerate(plan):
+    paced: dict[str, float] = {}  # the whole-run seconds of an optimizer stopped for its pace
+    for name, seed in plan:
         if args.budget_s is not None:
-            spent, expected = time.perf_counter() - wall_start, expected_run_seconds(name, runs, per_run_s)
-            if spent + expected > args.budget_s:
-                skipped = [{"optimizer": n, "seed": s} for n, s in plan[i:]]
+            spent = time.perf_counter() - wall_start
+            expected = paced.get(name) or expected_run_seconds(name, runs, per_run_s)
+            if spent + expected > args.budget_s:  # left out; a shorter run after it may still fit
+                skipped.append({"optimizer": name, "seed": seed})
                 print(
                     f"out of time: {spent:.0f} s spent and {name} seed {seed} expected to take {expected:.0f} s, "
-                    f"over --budget_s {args.budget_s:g}; left out: "
-                    + ", ".join(f"{r['optimizer']} seed {r['seed']}" for r in skipped)
+                    f"over --budget_s {args.budget_s:g}; left out"
                 )
-                break
-        runs.append(train_one(name, seed, args, preset.model, corpus, val_batches, device))
+                continue
+        deadline = None if args.budget_s is None else wall_start + args.budget_s
+        try:
+            runs.append(train_one(name, seed, args, preset.model, corpus, val_batches, device, deadline))
+        except OutOfTime as stopped:
+            print(f"out of time: {stopped}; left out")
+            skipped.append({"optimizer": name, "seed": seed, "stopped": str(stopped)})
+            paced[name] = stopped.run_seconds  # its other seeds start only if a run at this pace fits
+            continue
         if len(runs) < len(plan):  # what has finished is kept if the process is stopped
             write_result(out, build_result(base, runs, args.optims, [], wall_start), plot=False)
 

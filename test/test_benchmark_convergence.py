@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from benchmark_scripts import load_benchmark
@@ -377,6 +378,39 @@ def test_budget_leaves_out_the_runs_that_would_not_end_in_time(tmp_path, capsys)
     assert result["runs"] == [] and result["skipped_runs"] == [{"optimizer": "AdamW", "seed": s} for s in (0, 1)]
     assert "out of time: " in capsys.readouterr().out and bench.exit_status(result) == 1
     assert json.loads((tmp_path / "results.json").read_text())["skipped_runs"] == result["skipped_runs"]
+
+
+def test_budget_stops_a_run_slower_than_its_estimate(tmp_path, monkeypatch, capsys):
+    """A run whose own steps are slower than the estimate (another library's optimizer, the compiled path) stops
+    once its pace says it would end after the budget, instead of running into the end of the call; the other
+    optimizer's runs still run, and the slow one's next seed does not start."""
+    slow_step = 0.1
+    build = bench.optimizers.build
+
+    def slow_build(name, *args, **kwargs):
+        opt = build(name, *args, **kwargs)
+        if name == "AdamW4bit":
+            step = opt.step
+
+            def slowed(*a, **k):
+                time.sleep(slow_step)
+                return step(*a, **k)
+
+            opt.step = slowed
+        return opt
+
+    monkeypatch.setattr(bench.optimizers, "build", slow_build)
+    # AdamW4bit at slow_step a step would take over 6 s, and stops after 11 steps (about 1.1 s); AdamW's two runs
+    # take under a second each even on a loaded 2-core machine, well inside the budget of 5 s
+    steps = 60
+    argv = [*TINY_TWO_SEEDS, "--steps", str(steps), "--optims", "AdamW4bit,AdamW", "--out", str(tmp_path)]
+    monkeypatch.setattr(bench, "estimate_seconds", lambda *a: (0.1, 0.001))
+    result = bench.main([*argv, "--budget_s", "5"])
+    assert [(r["optimizer"], r["seed"]) for r in result["runs"]] == [("AdamW", 0), ("AdamW", 1)]
+    stopped, later = result["skipped_runs"]
+    assert stopped["optimizer"] == "AdamW4bit" and stopped["seed"] == 0 and "stopped at step 11 " in stopped["stopped"]
+    assert later == {"optimizer": "AdamW4bit", "seed": 1}  # not started: a run at its pace does not fit
+    assert bench.exit_status(result) == 1
 
 
 def test_skip_missing_leaves_out_a_peer_that_does_not_import(monkeypatch, capsys):
