@@ -8,9 +8,9 @@
 # PART names one part or several (space-separated, run in turn while the time allows); PART=list prints them. Each
 # part writes $OUT/<part>/results.json (rewritten after every run, so a stopped call keeps what finished) and
 # $OUT/<part>/log.txt (the part's table is at its end). BUDGET_S (default 510) is the call's time: a run starts only
-# if it is expected to end within it (estimated from timed steps, then from the runs before it); the runs left out
-# are named in the log and in results.json, for a later part. Optimizers whose package (bitsandbytes, torchao) does
-# not import are skipped with a line saying so. EXTRA_ARGS go to every run (runs with other settings do not merge);
+# if it is expected to end within it (estimated from timed steps, then from the runs before it), and stops once its
+# own pace says it would end later; the runs left out are named in the log and in results.json, for a later part.
+# Optimizers whose package (bitsandbytes, torchao) does not import are skipped with a line saying so. EXTRA_ARGS go to every run (runs with other settings do not merge);
 # DEVICE (default cuda) and PART=custom with MODEL, OPTIMS and SEEDS make a smoke run, e.g. on a CPU: PART=custom
 # MODEL=tiny OPTIMS=AdamW,AdamW4bit SEEDS=0 DEVICE=cpu EXTRA_ARGS="--steps 20" bash benchmarks/lm_quality.sh
 #
