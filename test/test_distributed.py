@@ -142,6 +142,8 @@ def column_block_size(shape, fmt: str, world: int) -> int | None:
 
 # the ranks of a Case's tensor parallelism (mesh="tp"): its reference's layouts are those of 2 ranks
 TP_WORLD = 2
+# Net's dims for tensor parallelism: fc1.weight (96, 512), whose 2 column shards are whole blocks of 256
+TP_DIMS = (512, 96, 67, 256)
 
 
 def reference_optimizer(model, fused=False, cls=AdamW8bit, groups=None, tp_world=None, **kw):
@@ -765,6 +767,49 @@ class TestBlockRule(expecttest.TestCase):
         self.assertIsNone(row_aligned_block_size((10, 8), 128))
 
 
+class TestColumnSlices(expecttest.TestCase):
+    """The op table's columns of a quantized state (``Shard(1)``'s DCP loads and ``full_tensor()``): whole blocks of
+    each row, as views that writes go through; anything else refused by name."""
+
+    def test_columns_are_whole_blocks_and_views(self):
+        x = torch.randn(5, 8, 16, generator=torch.Generator().manual_seed(0))  # rows of 128: blocks of 32
+        for fmt in ("dtq8", "4bit", "fp8"):
+            cls = get_state_format(fmt)
+            whole = cls.from_float(x, signed=True, block_size=32)
+            cols = cls.from_float(x[:, 2:6].contiguous(), signed=True, block_size=32)  # elements 32:96 of a row
+            assert_same_tensor(self, whole[:, 2:6].compact(), cols, fmt)
+            self.assertTrue(torch.equal(whole[:, 2:6].dequantize(), cols.dequantize()), fmt)
+            self.assertTrue(torch.equal(whole[:, 2:6][1:3].dequantize(), cols.dequantize()[1:3]), fmt)
+            # a write into a slice of columns lands in the whole state (DCP copies into these views)
+            state = cls.zeros((5, 8, 16), signed=True, block_size=32)
+            state[:, 2:6].copy_(cols)
+            assert_same_tensor(self, state[:, 2:6].compact(), cols, fmt)
+            self.assertEqual(state.dequantize()[:, :2].abs().max().item(), 0.0, fmt)
+            state[:, 2:4].zero_()
+            self.assertEqual(state.dequantize()[:, 2:4].abs().max().item(), 0.0, fmt)
+            # concatenated and padded along dim 1 (an all-gather of Shard(1) shards)
+            assert_same_tensor(self, torch.cat([whole[:, :2], whole[:, 2:6], whole[:, 6:]], dim=1), whole, fmt)
+            padded = torch.nn.functional.pad(whole[:, :6].clone(), (0, 0, 0, 2))
+            self.assertTrue(torch.equal(padded.dequantize()[:, :6], whole.dequantize()[:, :6]), fmt)
+        errors = []
+        # off block boundaries; and a state whose scales are per row and per column (fp8's whole state, from the
+        # loop, slices on boundaries)
+        rank1 = get_state_format("4bit_rank1").zeros((4, 64), signed=False)
+        for state, index in ((whole, slice(1, 6)), (whole, slice(0, 2)), (rank1, slice(0, 32))):
+            try:
+                state[:, index]
+            except (ValueError, NotImplementedError) as err:
+                errors.append(textwrap.fill(f"{type(err).__name__}: {err}", 100))
+        self.assertExpectedInline(
+            "\n".join(errors),
+            """\
+ValueError: Fp8Tensor: columns [1:6] of shape (5, 8, 16) cover elements [16:96] of each row of 128,
+which are not whole blocks of the row (block_size=32); slicing along dim 1 keeps every block whole
+NotImplementedError: FourBitRank1Tensor: slicing is supported along dim 0 with step 1 only, got
+dim=1, step=1""",
+        )
+
+
 def assertShardOf(test, ours, ref, rows, what):
     """``ours`` (a local parameter or state) is exactly ``rows`` of ``ref`` (the single-process one)."""
     if isinstance(ref, QuantizedState):
@@ -1118,10 +1163,20 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "muon_rank1_in_backward": Case("Muon8bit", "4bit_rank1", grads="in_backward"),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
+        # tensor parallelism: fc1.weight (96, 512) quantized (256 columns each), fc2.weight (67, 96) plain (48
+        # columns: not whole 32-element blocks), fc3.weight (256, 67) plain (no block fits its rows)
+        "tp_sgd_fp8": Case("SGD8bit", "fp8", mesh="tp", dims=TP_DIMS),
     }
     # 2 -> 1 -> 2 ranks, through DCP checkpoints: AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows); Muon8bit
     # on a model whose fc2.weight (1, 512) rank 1 holds none of the rows of, and owns
-    RESHARD = [Case("AdamW", "4bit_rank1"), Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64))]
+    # Tensor parallelism trained on 2 ranks, then through DCP 2 -> 1 -> 2: fc1.weight (67, 512) and fc3.weight
+    # (33, 512) quantized on 1 and on 2 ranks, fc2.weight (512, 67) plain on both
+    RESHARD = [
+        Case("AdamW", "4bit_rank1"),
+        Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64)),
+        Case("AdamW", "dtq8", mesh="tp", dims=(512, 67, 512, 33)),
+        Case("AdamW", "4bit", mesh="tp", dims=(512, 67, 512, 33)),
+    ]
 
     @classmethod
     def setUpClass(cls):
@@ -1165,6 +1220,25 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         problems = reshard_problems(self.RESHARD[0], self.result["reshard"][0], (2, 1, 2))
         if problems:
             self.fail("\n".join(problems))
+
+    def test_tensor_parallel_sgd8bit_fp8(self):
+        # Shard(1) on 2 gloo ranks: each quantized matrix's state is its columns of one process's (the layouts of
+        # column_block_size), gathered whole with full_tensor() (an all-gather along dim 1 of quantized shards), on
+        # the fused C step; fc2.weight's columns do not fall on block boundaries: plain state
+        self.check_case("tp_sgd_fp8")
+        ours = self.result["cases"][list(self.CASES).index("tp_sgd_fp8")]
+        layouts = [type(ours[f"fc{i}.weight.momentum_buffer"]).__name__ for i in (1, 2, 3)]
+        self.assertEqual(layouts, ["Fp8Tensor", "Tensor", "Tensor"])
+
+    def test_tensor_parallel_adamw_dcp_reshard_2_1_2(self):
+        # AdamW with dtq8 and 4-bit state, Shard(1) on 2 gloo ranks; saved by 2 ranks, loaded by 1 (each saved
+        # shard's columns copied into a column slice of the new state: block-aligned views), saved again and loaded
+        # by 2 (column slices of the saved whole state): bit for bit single-process training after every load and
+        # every stage
+        for i in (2, 3):
+            problems = reshard_problems(self.RESHARD[i], self.result["reshard"][i], (2, 1, 2))
+            if problems:
+                self.fail("\n".join(problems))
 
     def test_bf16_stochastic_round(self):
         # each element rounds with the random bits of its index in the whole parameter: as on one process
