@@ -1104,6 +1104,30 @@ dtq8 on 4: both 64, two plain, four 128, neither plain, bias plain
 4bit_rank1 on 4: both plain, two plain, four plain, neither plain, bias plain""",
         )
 
+    def test_tensor_parallel_loads_a_single_process_state_dict(self):
+        # A whole state of the global shape: each Shard(1) rank keeps its columns, exactly where the layouts agree
+        # (TPShapes.two: blocks of 256 on one process and on 2 ranks), else quantized anew from them (both: blocks of
+        # 64 under tensor parallelism), or plain (four, neither)
+        ref_model = TPShapes()
+        ref_opt = AdamW(ref_model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False, state_format="dtq8")
+        set_grads(ref_model, 0)
+        ref_opt.step()
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                model = tensor_parallel(TPShapes())
+                opt = AdamW(model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False, state_format="dtq8")
+                opt.load_state_dict(ref_opt.state_dict())
+                for name, p in model.named_parameters():
+                    ref_state = ref_opt.state[ref_model.get_parameter(name)]["exp_avg"]
+                    state, where = opt.state[p]["exp_avg"].to_local(), shard_index(p)
+                    if name == "two":
+                        assertColumnsOf(self, state, ref_state, where[1], f"rank {rank} {name}")
+                        continue
+                    part = ref_state.dequantize()[where].contiguous() if name != "bias" else ref_state
+                    if name == "both":
+                        part = DTQ8bitTensor.from_float(part, signed=True, block_size=64)
+                    assert_same_tensor(self, state, part, f"rank {rank} {name}")
+
     def test_muon_refuses_a_sharding_it_cannot_gather(self):
         # Muon8bit gathers a matrix split by rows along one mesh dimension (FSDP2, HSDP: TestTwoRanks,
         # TestFourRanks). Others are refused when the optimizer is built, before any step could update some

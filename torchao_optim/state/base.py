@@ -605,7 +605,7 @@ def _check_columns(self, start: int, end: int, what: str) -> tuple[int, int]:
     name = type(self).__name__
     if not type(self).column_shardable:
         raise NotImplementedError(
-            f"{name}: {what} along dim 1 is not supported: its scales do not each cover a block of one row"
+            f"{name}: {what} is supported along dim 0 only, not dim 1: its scales do not each cover a block of one row"
         )
     if self.dim() < 2:
         raise ValueError(f"{name}: {what} along dim 1 needs two or more dimensions, got shape {tuple(self.shape)}")
