@@ -1,4 +1,4 @@
-"""Optimizer state for DTensor parameters (FSDP2's ``fully_shard``, and anything else that shards by rows).
+"""Optimizer state for DTensor parameters (FSDP2's ``fully_shard`` and HSDP by rows, tensor parallelism by columns).
 
 A sharded parameter's state is a DTensor with the parameter's mesh, placements, global shape and stride, whose
 local tensor is the state of the local shard: quantized from the shard alone, so a rank never holds more
