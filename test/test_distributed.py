@@ -128,19 +128,41 @@ def sharded_block_size(shape, fmt: str) -> int | None:
     return row_aligned_block_size(shape, get_state_format(fmt).default_block_size)
 
 
-def reference_optimizer(model, fused=False, cls=AdamW8bit, groups=None, **kw):
+def column_block_size(shape, fmt: str, world: int) -> int | None:
+    """The block size of the state of a parameter of global ``shape`` sharded along dim 1 (``Shard(1)``) over
+    ``world`` ranks; None for plain fp32 state: the block rule's (:func:`sharded_block_size`) where it also divides
+    every rank's first column and column count, in elements (torch's chunks of ``ceil(cols / world)`` columns), for
+    a format whose scales each cover a block of one row (rank-1 scales span the columns: plain)."""
+    block = sharded_block_size(shape, fmt)
+    if block is None or not get_state_format(fmt).column_shardable:
+        return None
+    inner, chunk = math.prod(shape[2:]), -(-shape[1] // world)
+    return block if all(min(shape[1], r * chunk) * inner % block == 0 for r in range(world + 1)) else None
+
+
+# the ranks of a Case's tensor parallelism (mesh="tp"): its reference's layouts are those of 2 ranks
+TP_WORLD = 2
+# Net's dims for tensor parallelism: fc1.weight (96, 512), whose 2 column shards are whole blocks of 256
+TP_DIMS = (512, 96, 67, 256)
+
+
+def reference_optimizer(model, fused=False, cls=AdamW8bit, groups=None, tp_world=None, **kw):
     """Single-process ``cls`` (AdamW8bit) with, for each parameter, the state layout it takes when sharded (without
     sharding, fc2.weight would take blocks of 256 and fc3.weight quantized state): a group per parameter, with its
     block size or plain state, in the order of ``groups`` (the sharded optimizer's, by parameter name, with their
     options; default: one group of every parameter), so that each parameter keeps its position (stochastic
-    rounding hashes it)."""
+    rounding hashes it). ``tp_world``: the layouts of tensor parallelism over that many ranks instead
+    (:func:`column_block_size` for matrices)."""
     fmt = kw.pop("state_format", "dtq8")  # the default of every cls here
     groups = groups or [{"params": [name for name, _ in model.named_parameters()]}]
     per_param = []
     for group in groups:
         for name in group["params"]:
             p = model.get_parameter(name)
-            block_size = sharded_block_size(p.shape, fmt)
+            if tp_world is None or p.dim() < 2:
+                block_size = sharded_block_size(p.shape, fmt)
+            else:
+                block_size = column_block_size(p.shape, fmt, tp_world)
             layout = {"state_format": fmt, "block_size": block_size} if block_size else {"state_format": "none"}
             per_param.append(dict(group, params=[p], **layout))
     return cls(per_param, lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
@@ -159,6 +181,36 @@ def shard_rows(p) -> slice:
     return rows
 
 
+def shard_index(p) -> tuple:
+    """The index of this rank's part of ``p``'s global tensor: its rows (:func:`shard_rows`), or under ``Shard(1)``
+    (tensor parallelism, on one mesh dimension) its columns."""
+    from torch.distributed.tensor import Shard
+
+    columns = [dim for dim, pl in enumerate(p.placements) if isinstance(pl, Shard) and pl.dim == 1]
+    if not columns:
+        return (shard_rows(p),)
+    mesh, dim = p.device_mesh, columns[0]
+    return (slice(None), rows_of(dist.get_rank(mesh.get_group(dim)), mesh.size(dim), p.shape[1]))
+
+
+def tensor_parallel(model, mesh=None):
+    """``model`` with each matrix sharded along dim 1 (``Shard(1)``) over ``mesh`` (default: every rank) and every
+    other parameter replicated: tensor parallelism's row-wise layers, each rank building its part (no
+    communication)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu") if mesh is None else mesh
+    rank, world = dist.get_rank(mesh.get_group()), mesh.size()
+    for name, p in list(model.named_parameters()):
+        module, _, attr = name.rpartition(".")
+        part = p.detach()[:, rows_of(rank, world, p.shape[1])] if p.dim() >= 2 else p.detach()
+        placements = (Shard(1),) if p.dim() >= 2 else (Replicate(),)
+        dt = as_dtensor(part.clone(), mesh, placements, p.shape, p.stride())
+        setattr(model.get_submodule(module), attr, torch.nn.Parameter(dt))
+    return model
+
+
 def as_dtensor(local, mesh, placements, shape, stride):
     """``local`` (a shard of a tensor of global ``shape``) as a DTensor, where it is: as FSDP2 makes its sharded
     parameters and gradients (``DTensor.from_local`` would move it to the mesh's device)."""
@@ -175,13 +227,13 @@ def dtensor_like(p, local):
 
 
 def set_grads(model, step):
-    """Each rank's rows of the same whole gradients (the model's parameters are sharded along dim 0, or not),
-    taken by hand: no communication (the fake process group has none)."""
+    """Each rank's part of the same whole gradients (the model's parameters are sharded along dim 0 or dim 1, or
+    not: :func:`shard_index`), taken by hand: no communication (the fake process group has none)."""
     from torch.distributed.tensor import DTensor
 
     for name, g in grads(model, step).items():
         p = model.get_parameter(name)
-        p.grad = dtensor_like(p, g[shard_rows(p)].contiguous()) if isinstance(p, DTensor) else g
+        p.grad = dtensor_like(p, g[shard_index(p)].contiguous()) if isinstance(p, DTensor) else g
 
 
 def backward_to(model, step):
@@ -392,9 +444,10 @@ class Case:
 
     opt: str = "AdamW"  # a key of OPTIMIZERS
     fmt: str = "dtq8"  # state_format
-    mesh: str = (
-        "fsdp"  # "fsdp": fully_shard over every rank (Shard(0)); "hsdp": a 2 x (world / 2) mesh, replicate x shard
-    )
+    # "fsdp": fully_shard over every rank (Shard(0)); "hsdp": a 2 x (world / 2) mesh, replicate x shard; "tp":
+    # tensor parallelism over every rank (:func:`tensor_parallel`: matrices Shard(1), the rest replicated), with
+    # gradients set by hand (grads="set"), compared with the layouts of TP_WORLD ranks
+    mesh: str = "fsdp"
     offload: bool = False  # fully_shard(offload_policy=CPUOffloadPolicy())
     # "fused": fused=None, the fused C step; "eager": fused=False, per parameter; "offload_state": offload_state=True,
     # the fused Triton kernels (Triton's interpreter on the CPU) over each rank's shards streamed from host memory
@@ -442,6 +495,8 @@ def case_model(case, mesh=None):
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
+    if case.mesh == "tp":
+        return tensor_parallel(model, mesh)
     # pinned host memory where a GPU copies gradients into it (the policy's default)
     pin = mesh is not None and mesh.device_type == "cuda"
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=pin)} if case.offload else {}
@@ -509,7 +564,7 @@ def run_cases(cases, steps=STEPS, device="cpu") -> list:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
-    meshes = {"fsdp": init_device_mesh(device, (world,)) if device != "cpu" else None}
+    meshes = {"fsdp": init_device_mesh(device, (world,)) if device != "cpu" else None, "tp": None}
     if any(case.mesh == "hsdp" for case in cases):
         meshes["hsdp"] = init_device_mesh(device, (2, world // 2), mesh_dim_names=("replicate", "shard"))
     results = []
@@ -572,6 +627,22 @@ def cases_job(out, cases, reshard=(), device="cpu", extras=()):
     return result
 
 
+class TPShapes(torch.nn.Module):
+    """Matrices whose columns tensor parallelism splits (:func:`tensor_parallel`) on block boundaries, or not, on 2 and
+    4 ranks (:func:`column_block_size`): ``both`` (8, 3, 64), rows of 192 in blocks of 64 (128 for 4-bit's 128),
+    columns 2 + 1 on 2 ranks and 1 + 1 + 1 + 0 on 4; ``two`` (16, 512), 256 columns each on 2 ranks (128 on 4: not a
+    whole 256-element block); ``four`` (8, 6, 64), rows of 384 in blocks of 128, 3 columns (192 elements) each on 2
+    ranks, 2 + 2 + 2 + 0 on 4; ``neither`` (67, 96), blocks of 32, 48 or 24 columns; and a vector, ``bias``."""
+
+    SHAPES = {"both": (8, 3, 64), "two": (16, 512), "four": (8, 6, 64), "neither": (67, 96), "bias": (96,)}
+
+    def __init__(self):
+        super().__init__()
+        gen = torch.Generator().manual_seed(2)
+        for name, shape in self.SHAPES.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.1))
+
+
 class EdgeShards(torch.nn.Module):
     """Rank-1 scaled matrices whose shards are edge cases on 4 ranks: ``pos`` (1, 8, 512), a matrix of 8 rows of 512
     whose dim 0 has one index (rank 0 holds all of it, the other ranks nothing), and ``small`` (3, 512): a row on
@@ -617,7 +688,8 @@ def case_reference(case, stages=1) -> list:
     cls, fused, options = case_options(case)
     options.pop("offload_state", None)  # the same bits as state on the device
     model = Net(case.dims).to(torch.bfloat16) if case.bf16 else Net(case.dims)
-    opt = reference_optimizer(model, fused, cls, groups=case_groups(case), **options)
+    tp_world = TP_WORLD if case.mesh == "tp" else None
+    opt = reference_optimizer(model, fused, cls, groups=case_groups(case), tp_world=tp_world, **options)
     snaps = []
     for stage in range(stages):
         for step in range(stage * STEPS, (stage + 1) * STEPS):
@@ -695,6 +767,49 @@ class TestBlockRule(expecttest.TestCase):
         self.assertIsNone(row_aligned_block_size((10, 8), 128))
 
 
+class TestColumnSlices(expecttest.TestCase):
+    """The op table's columns of a quantized state (``Shard(1)``'s DCP loads and ``full_tensor()``): whole blocks of
+    each row, as views that writes go through; anything else refused by name."""
+
+    def test_columns_are_whole_blocks_and_views(self):
+        x = torch.randn(5, 8, 16, generator=torch.Generator().manual_seed(0))  # rows of 128: blocks of 32
+        for fmt in ("dtq8", "4bit", "fp8"):
+            cls = get_state_format(fmt)
+            whole = cls.from_float(x, signed=True, block_size=32)
+            cols = cls.from_float(x[:, 2:6].contiguous(), signed=True, block_size=32)  # elements 32:96 of a row
+            assert_same_tensor(self, whole[:, 2:6].compact(), cols, fmt)
+            self.assertTrue(torch.equal(whole[:, 2:6].dequantize(), cols.dequantize()), fmt)
+            self.assertTrue(torch.equal(whole[:, 2:6][1:3].dequantize(), cols.dequantize()[1:3]), fmt)
+            # a write into a slice of columns lands in the whole state (DCP copies into these views)
+            state = cls.zeros((5, 8, 16), signed=True, block_size=32)
+            state[:, 2:6].copy_(cols)
+            assert_same_tensor(self, state[:, 2:6].compact(), cols, fmt)
+            self.assertEqual(state.dequantize()[:, :2].abs().max().item(), 0.0, fmt)
+            state[:, 2:4].zero_()
+            self.assertEqual(state.dequantize()[:, 2:4].abs().max().item(), 0.0, fmt)
+            # concatenated and padded along dim 1 (an all-gather of Shard(1) shards)
+            assert_same_tensor(self, torch.cat([whole[:, :2], whole[:, 2:6], whole[:, 6:]], dim=1), whole, fmt)
+            padded = torch.nn.functional.pad(whole[:, :6].clone(), (0, 0, 0, 2))
+            self.assertTrue(torch.equal(padded.dequantize()[:, :6], whole.dequantize()[:, :6]), fmt)
+        errors = []
+        # off block boundaries; and a state whose scales are per row and per column (fp8's whole state, from the
+        # loop, slices on boundaries)
+        rank1 = get_state_format("4bit_rank1").zeros((4, 64), signed=False)
+        for state, index in ((whole, slice(1, 6)), (whole, slice(0, 2)), (rank1, slice(0, 32))):
+            try:
+                state[:, index]
+            except (ValueError, NotImplementedError) as err:
+                errors.append(textwrap.fill(f"{type(err).__name__}: {err}", 100))
+        self.assertExpectedInline(
+            "\n".join(errors),
+            """\
+ValueError: Fp8Tensor: columns [1:6] of shape (5, 8, 16) cover elements [16:96] of each row of 128,
+which are not whole blocks of the row (block_size=32); slicing along dim 1 keeps every block whole
+NotImplementedError: FourBitRank1Tensor: slicing is supported along dim 0 with step 1 only, got
+dim=1, step=1""",
+        )
+
+
 def assertShardOf(test, ours, ref, rows, what):
     """``ours`` (a local parameter or state) is exactly ``rows`` of ``ref`` (the single-process one)."""
     if isinstance(ref, QuantizedState):
@@ -714,6 +829,23 @@ def assertShardOf(test, ours, ref, rows, what):
         assert_same_tensor(test, ours, ref, what)
     else:
         assert_same_tensor(test, ours, ref.detach()[rows], what)
+
+
+def assertColumnsOf(test, ours, ref, cols, what):
+    """``ours`` (a local parameter or state) is exactly columns ``cols`` of ``ref`` (the single-process one): for a
+    quantized ``ref``, the codes and scales of those columns of each row, which must be whole blocks."""
+    if isinstance(ref, QuantizedState):
+        rows, inner, bs = ref.shape[0], math.prod(ref.shape[2:]), ref.block_size
+        first, last = cols.start * inner, cols.stop * inner  # elements of each row
+        test.assertEqual((first % bs, last % bs), (0, 0), f"{what}: columns are not whole blocks")
+        per_byte = 8 // ref.fast_path_layout().bits  # 4-bit codes: two per byte
+        codes = ref.codes.view(rows, -1)[:, first // per_byte : last // per_byte].reshape(-1)
+        absmax = ref.absmax.view(rows, -1)[:, first // bs : last // bs].reshape(-1)
+        shape = (rows, cols.stop - cols.start, *ref.shape[2:])
+        ref = type(ref)(shape, ref.dtype, codes=codes, absmax=absmax, **ref.attrs())
+        assert_same_tensor(test, ours, ref, what)
+    else:
+        assert_same_tensor(test, ours, ref.detach()[:, cols], what)
 
 
 @unittest.skipUnless(DISTRIBUTED, "torch.distributed is not available")
@@ -916,57 +1048,85 @@ class TestShardedStep(expecttest.TestCase):
                             self, state.to_local(), ref_opt.state[ref_model.get_parameter(name)][key], rows, what
                         )
 
-    def test_tensor_parallel_keeps_plain_state(self):
-        # Tensor parallelism's row-wise layers: weights sharded along dim 1 (Shard(1)), biases replicated. A
-        # weight's rows span ranks, so no block rule applies: plain fp32 state whatever the format, and each rank's
-        # columns are those of single-process training with plain state, bit for bit (the update is elementwise),
-        # on the fused C step. (Muon8bit refuses such a matrix: test_muon_refuses_a_sharding_it_cannot_gather.)
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, Shard
-
-        def columns(p, rank):
-            return (slice(None), rows_of(rank, 2, p.shape[1])) if p.dim() == 2 else (slice(None),)
-
-        refs = {}
-        for name in ("AdamW", "SGD8bit", "Lion8bit"):
+    def test_tensor_parallel_quantized_where_blocks_fit_columns(self):
+        # Tensor parallelism: matrices sharded along dim 1 (Shard(1)), the rest replicated, on 2 and 4 ranks. A
+        # matrix's state is quantized, with the block rule's blocks, where every block lies within one rank's
+        # columns (column_block_size: a condition on the mesh's size too), else kept plain; each rank's state is
+        # its columns of single-process training's with those layouts, bit for bit (codes and scales of the same
+        # blocks), on the fused C step. TPShapes has a matrix quantized on both meshes, one on 2 ranks only, one
+        # on 4 only (3 columns of 64: 2 + 1 on 2 ranks, 1 + 1 + 1 + 0 on 4, an empty shard), and one on neither.
+        # (Muon8bit refuses such a matrix: test_muon_refuses_a_sharding_it_cannot_gather; real ranks and DCP
+        # resharding: TestTwoRanks.test_tensor_parallel_*.)
+        combos = [("AdamW", fmt, 2) for fmt in FORMATS] + [("SGD8bit", "dtq8", 2), ("Lion8bit", "4bit", 2)]
+        combos += [("AdamW", "dtq8", 4), ("AdamW", "4bit_rank1", 4)]
+        layouts = {}
+        for name, fmt, world in combos:
             cls, options = OPTIMIZERS[name]
-            ref_model = Net()
-            ref_opt = optimizer(ref_model, fused=None, cls=cls, state_format="none", **options)
+            ref_model = TPShapes()
+            ref_opt = reference_optimizer(ref_model, None, cls, tp_world=world, state_format=fmt, **options)
             for step in range(STEPS):
                 set_grads(ref_model, step)
                 ref_opt.step()
-            refs[name] = ref_model, ref_opt
-        # every format with AdamW, and the other optimizers' 8-bit state
-        for name, fmt in [("AdamW", fmt) for fmt in FORMATS] + [("SGD8bit", "dtq8"), ("Lion8bit", "dtq8")]:
-            cls, options = OPTIMIZERS[name]
-            ref_model, ref_opt = refs[name]
-            for rank in range(2):
-                what = f"{name} {fmt} rank {rank}"
-                with simulated_rank(rank, 2):
-                    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-                    model = Net()
-                    for pname, p in list(model.named_parameters()):
-                        placements = (Shard(1),) if p.dim() == 2 else (Replicate(),)
-                        local = p.detach()[columns(p, rank)].clone()
-                        module, attr = pname.rsplit(".", 1)
-                        dt = as_dtensor(local, mesh, placements, p.shape, p.stride())
-                        setattr(model.get_submodule(module), attr, torch.nn.Parameter(dt))
+            for rank in range(world):
+                what = f"{name} {fmt} rank {rank} of {world}"
+                with simulated_rank(rank, world):
+                    model = tensor_parallel(TPShapes())
                     opt = optimizer(model, fused=None, cls=cls, state_format=fmt, **options)
                     for step in range(STEPS):
-                        for pname, g in grads(model, step).items():
-                            p = model.get_parameter(pname)
-                            p.grad = dtensor_like(p, g[columns(p, rank)].contiguous())
+                        set_grads(model, step)
                         opt.step()
                     routes = [line for line in opt.explain().splitlines() if line.startswith("  ")]
                     self.assertTrue(all(line.startswith("  fused C step:") for line in routes), opt.explain())
                     for pname, p in model.named_parameters():
                         ref_p = ref_model.get_parameter(pname)
-                        where = columns(p, rank)
+                        where = shard_index(p)
                         assert_same_tensor(self, p.to_local(), ref_p.detach()[where], f"{what} {pname}")
-                        for key, ref_state in ref_opt.state[ref_p].items():
-                            if key != "step":
-                                state = opt.state[p][key].to_local()
-                                assert_same_tensor(self, state, ref_state[where], f"{what} {pname} {key}")
+                        for key in sorted(set(ref_opt.state[ref_p]) - {"step"}):
+                            state, ref_state = opt.state[p][key], ref_opt.state[ref_p][key]
+                            self.assertEqual((state.shape, state.placements), (p.shape, p.placements), what)
+                            if p.dim() < 2:  # replicated: the whole state on every rank
+                                assert_same_tensor(self, state.to_local(), ref_state, f"{what} {pname} {key}")
+                            else:
+                                assertColumnsOf(self, state.to_local(), ref_state, where[1], f"{what} {pname} {key}")
+                        if name == "AdamW" and rank == 0:
+                            state = opt.state[p]["exp_avg"].to_local()
+                            block = getattr(state, "block_size", "plain")
+                            layouts.setdefault(f"{fmt} on {world}", []).append(f"{pname} {block}")
+        self.assertExpectedInline(
+            "\n".join(f"{k}: {', '.join(v)}" for k, v in layouts.items()),
+            """\
+none on 2: both plain, two plain, four plain, neither plain, bias plain
+dtq8 on 2: both 64, two 256, four plain, neither plain, bias plain
+4bit on 2: both 64, two 128, four plain, neither plain, bias plain
+fp8 on 2: both 64, two 256, four plain, neither plain, bias plain
+4bit_rank1 on 2: both plain, two plain, four plain, neither plain, bias plain
+dtq8 on 4: both 64, two plain, four 128, neither plain, bias plain
+4bit_rank1 on 4: both plain, two plain, four plain, neither plain, bias plain""",
+        )
+
+    def test_tensor_parallel_loads_a_single_process_state_dict(self):
+        # A whole state of the global shape: each Shard(1) rank keeps its columns, exactly where the layouts agree
+        # (TPShapes.two: blocks of 256 on one process and on 2 ranks), else quantized anew from them (both: blocks of
+        # 64 under tensor parallelism), or plain (four, neither)
+        ref_model = TPShapes()
+        ref_opt = AdamW(ref_model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False, state_format="dtq8")
+        set_grads(ref_model, 0)
+        ref_opt.step()
+        for rank in range(2):
+            with simulated_rank(rank, 2):
+                model = tensor_parallel(TPShapes())
+                opt = AdamW(model.parameters(), lr=LR, min_quant_size=MIN_QUANT, compile=False, state_format="dtq8")
+                opt.load_state_dict(ref_opt.state_dict())
+                for name, p in model.named_parameters():
+                    ref_state = ref_opt.state[ref_model.get_parameter(name)]["exp_avg"]
+                    state, where = opt.state[p]["exp_avg"].to_local(), shard_index(p)
+                    if name == "two":
+                        assertColumnsOf(self, state, ref_state, where[1], f"rank {rank} {name}")
+                        continue
+                    part = ref_state.dequantize()[where].contiguous() if name != "bias" else ref_state
+                    if name == "both":
+                        part = DTQ8bitTensor.from_float(part, signed=True, block_size=64)
+                    assert_same_tensor(self, state, part, f"rank {rank} {name}")
 
     def test_muon_refuses_a_sharding_it_cannot_gather(self):
         # Muon8bit gathers a matrix split by rows along one mesh dimension (FSDP2, HSDP: TestTwoRanks,
@@ -1027,10 +1187,20 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         "muon_rank1_in_backward": Case("Muon8bit", "4bit_rank1", grads="in_backward"),
         "adamw_dtq8_bf16": Case("AdamW", "dtq8", bf16=True),
         "adamw_none_bf16_eager": Case("AdamW", "none", bf16=True, executor="eager"),
+        # tensor parallelism: fc1.weight (96, 512) quantized (256 columns each), fc2.weight (67, 96) plain (48
+        # columns: not whole 32-element blocks), fc3.weight (256, 67) plain (no block fits its rows)
+        "tp_sgd_fp8": Case("SGD8bit", "fp8", mesh="tp", dims=TP_DIMS),
     }
     # 2 -> 1 -> 2 ranks, through DCP checkpoints: AdamW with "4bit_rank1" (fc2.weight: 34 and 33 rows); Muon8bit
     # on a model whose fc2.weight (1, 512) rank 1 holds none of the rows of, and owns
-    RESHARD = [Case("AdamW", "4bit_rank1"), Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64))]
+    # Tensor parallelism trained on 2 ranks, then through DCP 2 -> 1 -> 2: fc1.weight (67, 512) and fc3.weight
+    # (33, 512) quantized on 1 and on 2 ranks, fc2.weight (512, 67) plain on both
+    RESHARD = [
+        Case("AdamW", "4bit_rank1"),
+        Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64)),
+        Case("AdamW", "dtq8", mesh="tp", dims=(512, 67, 512, 33)),
+        Case("AdamW", "4bit", mesh="tp", dims=(512, 67, 512, 33)),
+    ]
 
     @classmethod
     def setUpClass(cls):
@@ -1074,6 +1244,25 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         problems = reshard_problems(self.RESHARD[0], self.result["reshard"][0], (2, 1, 2))
         if problems:
             self.fail("\n".join(problems))
+
+    def test_tensor_parallel_sgd8bit_fp8(self):
+        # Shard(1) on 2 gloo ranks: each quantized matrix's state is its columns of one process's (the layouts of
+        # column_block_size), gathered whole with full_tensor() (an all-gather along dim 1 of quantized shards), on
+        # the fused C step; fc2.weight's columns do not fall on block boundaries: plain state
+        self.check_case("tp_sgd_fp8")
+        ours = self.result["cases"][list(self.CASES).index("tp_sgd_fp8")]
+        layouts = [type(ours[f"fc{i}.weight.momentum_buffer"]).__name__ for i in (1, 2, 3)]
+        self.assertEqual(layouts, ["Fp8Tensor", "Tensor", "Tensor"])
+
+    def test_tensor_parallel_adamw_dcp_reshard_2_1_2(self):
+        # AdamW with dtq8 and 4-bit state, Shard(1) on 2 gloo ranks; saved by 2 ranks, loaded by 1 (each saved
+        # shard's columns copied into a column slice of the new state: block-aligned views), saved again and loaded
+        # by 2 (column slices of the saved whole state): bit for bit single-process training after every load and
+        # every stage
+        for i in (2, 3):
+            problems = reshard_problems(self.RESHARD[i], self.result["reshard"][i], (2, 1, 2))
+            if problems:
+                self.fail("\n".join(problems))
 
     def test_bf16_stochastic_round(self):
         # each element rounds with the random bits of its index in the whole parameter: as on one process

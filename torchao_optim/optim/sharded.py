@@ -1,4 +1,4 @@
-"""Optimizer state for DTensor parameters (FSDP2's ``fully_shard``, and anything else that shards by rows).
+"""Optimizer state for DTensor parameters (FSDP2's ``fully_shard`` and HSDP by rows, tensor parallelism by columns).
 
 A sharded parameter's state is a DTensor with the parameter's mesh, placements, global shape and stride, whose
 local tensor is the state of the local shard: quantized from the shard alone, so a rank never holds more
@@ -14,6 +14,14 @@ elements): the format's block size, halved while it does not divide the row, dow
 are exactly a slice of those of the whole tensor, and a checkpoint holds the same bytes for any world size.
 A parameter none of whose rows is a whole number of such blocks (a 1-D bias, a row of 100 elements) keeps
 plain fp32 state, on one rank as on eight.
+
+Tensor parallelism shards dim 1 (``Shard(1)``): each rank holds every row, and a chunk of ``ceil(cols / world)``
+columns of each (the last ranks fewer, or none). With the same block size, from the global shape, every block of
+the whole tensor lies within one rank's columns exactly when the block divides each rank's first column and column
+count, in elements (:func:`column_aligned`); each rank's shard, quantized row-major, then holds the codes and
+scales of its blocks of the whole tensor, in the same order. Unlike the rule for rows, this depends on the mesh's
+size: (96, 512) with blocks of 256 is quantized on 2 ranks (256 columns each) and not on 4 (128 each), where it
+keeps plain fp32 state. The decision is still the same on every rank of a mesh.
 """
 
 from __future__ import annotations
@@ -25,14 +33,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from torchao_optim.state import QuantizedState
+
 __all__ = [
     "is_dtensor",
     "local",
     "quantizable_sharding",
     "row_aligned_block_size",
+    "column_aligned",
+    "state_block_size",
     "like_param",
     "local_part",
     "local_rows",
+    "local_columns",
     "element_offset",
     "row_shard_dim",
     "map_whole",
@@ -78,6 +91,42 @@ def row_aligned_block_size(shape: Sequence[int], block_size: int) -> int | None:
             return None
         b //= 2
     return b
+
+
+def _column_shard_dim(placements: Sequence) -> int | None:
+    """The mesh dimension of ``placements``' one ``Shard(1)``, every other ``Replicate()``; else None."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    dims = [i for i, pl in enumerate(placements) if type(pl) is not Replicate]
+    if len(dims) != 1 or type(placements[dims[0]]) is not Shard or placements[dims[0]].dim != 1:
+        return None
+    return dims[0]
+
+
+def column_aligned(shape: Sequence[int], placements: Sequence, mesh, block_size: int) -> bool:
+    """Whether a DTensor of global ``shape`` sharded as ``placements`` over ``mesh`` has every block of
+    ``block_size`` elements (one that divides a row, :func:`row_aligned_block_size`) within one rank's columns:
+    one mesh dimension is ``Shard(1)`` (tensor parallelism), every other ``Replicate()``, and the block divides
+    the ``ceil(cols / size)`` columns of a full chunk, in elements (then it divides every rank's first column and
+    count too: the last, shorter chunk ends the row, which is whole blocks). Depends on the mesh's size."""
+    dim = _column_shard_dim(placements)
+    if dim is None or len(shape) < 2:
+        return False
+    cols, inner = shape[1], math.prod(shape[2:])
+    chunk = min(cols, -(-cols // mesh.size(dim)))
+    return (chunk * inner) % block_size == 0 and (cols * inner) % block_size == 0
+
+
+def state_block_size(p: Tensor, block_size: int) -> int | None:
+    """The block size of the quantized state of the DTensor parameter ``p``, for a format whose block is
+    ``block_size`` and which ``p``'s sharding may split (every scale covers one block); None: plain state.
+    Rows whole on every rank (``Shard(0)``, ``Replicate()``): :func:`row_aligned_block_size`, from the global
+    shape alone. Columns split (``Shard(1)``): the same block, where it is :func:`column_aligned` on ``p``'s
+    mesh. Any other sharding (``_StridedShard``, ``Partial``, rows and columns both split): None."""
+    block = row_aligned_block_size(p.shape, block_size)
+    if block is None or quantizable_sharding(p.placements):
+        return block
+    return block if column_aligned(p.shape, p.placements, p.device_mesh, block) else None
 
 
 def like_param(p: Tensor, local_state: Tensor) -> Tensor:
@@ -130,18 +179,42 @@ def element_offset(p: Tensor) -> int:
     return local_rows(p)[0] * math.prod(p.shape[1:])
 
 
-def local_part(p: Tensor, full: Tensor) -> Tensor:
-    """The rows of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds (:func:`local_rows`),
-    taken with ``narrow`` (a quantized ``full`` is sliced on its block boundaries by the op table)."""
-    if not quantizable_sharding(p.placements):
+def local_columns(p: Tensor) -> tuple:
+    """``(first column, columns)`` of ``p``'s global dim 1 that its local shard holds, for a ``p`` sharded along
+    dim 1 on one mesh dimension (``Shard(1)``, every other ``Replicate()``): chunks of ``ceil(cols / size)``."""
+    dim = _column_shard_dim(p.placements)
+    if dim is None or len(p.shape) < 2:
+        raise ValueError(f"columns are split only by one Shard(1) placement, not {tuple(p.placements)}")
+    mesh, cols = p.device_mesh, p.shape[1]
+    chunk = -(-cols // mesh.size(dim))
+    first = min(cols, mesh.get_local_rank(dim) * chunk)
+    count = min(cols, first + chunk) - first
+    if count != local(p).shape[1]:
         raise ValueError(
-            f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or "
-            f"Replicate() on every mesh dimension), not {tuple(p.placements)}"
+            f"columns {first}:{first + count} of {tuple(p.shape)} computed for this rank, but its shard "
+            f"has {local(p).shape[1]} columns"
         )
+    return first, count
+
+
+def local_part(p: Tensor, full: Tensor) -> Tensor:
+    """The part of ``full`` (a tensor of ``p``'s global shape) that ``p``'s local shard holds: its rows
+    (:func:`local_rows`) or, under ``Shard(1)``, its columns (:func:`local_columns`), taken with ``narrow`` (a
+    quantized ``full`` is sliced on its block boundaries by the op table; a slice of columns is then copied into
+    a state of its own, ``compact()``)."""
     if len(p.shape) == 0:
         return full
-    start, rows = local_rows(p)
-    return full if rows == full.shape[0] else full.narrow(0, start, rows)
+    if quantizable_sharding(p.placements):
+        start, rows = local_rows(p)
+        return full if rows == full.shape[0] else full.narrow(0, start, rows)
+    if _column_shard_dim(p.placements) is None:
+        raise ValueError(
+            f"a whole state can be split only for a parameter sharded along dim 0 (Shard(0) or Replicate() on every "
+            f"mesh dimension) or along dim 1 on one of them (Shard(1)), not {tuple(p.placements)}"
+        )
+    start, cols = local_columns(p)
+    part = full if cols == full.shape[1] else full.narrow(1, start, cols)
+    return part.compact() if isinstance(part, QuantizedState) else part
 
 
 def row_shard_dim(placements: Sequence) -> int | None:

@@ -2,7 +2,8 @@
 already has that form.
 
 Decided from the group's storage settings (``state_format``, ``block_size``, ``min_quant_size``) and the
-parameter's global shape, so that a sharded parameter is quantized on every mesh or on none.
+parameter's global shape, so that a parameter sharded by rows is quantized on every mesh or on none (one sharded
+by columns, tensor parallelism's ``Shard(1)``, also by its mesh's size: ``optim/sharded.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from torchao_optim.optim.sharded import is_dtensor, like_param, local, quantizable_sharding, row_aligned_block_size
+from torchao_optim.optim.sharded import is_dtensor, like_param, local, quantizable_sharding, state_block_size
 from torchao_optim.state import QuantizedState, get_state_format
 
 __all__ = [
@@ -38,7 +39,8 @@ def state_device(optimizer, p: Tensor) -> torch.device:
 
 def format_for(p: Tensor, group) -> type | None:
     """The format class for ``p``'s state, or None for plain (unquantized) state. Decided from the global shape
-    only (a DTensor's ``shape``), so a sharded parameter is quantized on every mesh or on none."""
+    (a DTensor's ``shape``), so a parameter sharded by rows is quantized on every mesh or on none; one whose
+    columns are split (``Shard(1)``) also from its mesh's size (``optim/sharded.py``), the same on every rank."""
     if group["state_format"] == "none" or p.numel() < group["min_quant_size"]:
         return None
     fmt = get_state_format(group["state_format"])
@@ -54,14 +56,16 @@ def format_for(p: Tensor, group) -> type | None:
 
 def block_size_for(p: Tensor, group, fmt: type) -> int | None:
     """The block size of ``p``'s quantized state: the group's (or the format's default); for a DTensor parameter
-    the row-aligned one (:func:`~torchao_optim.optim.sharded.row_aligned_block_size`), or None when there is none
-    or when its placements do not keep rows whole."""
+    the row-aligned one (:func:`~torchao_optim.optim.sharded.state_block_size`), or None when there is none, when
+    its placements split blocks (columns split off block boundaries, on this mesh) or when ``fmt`` cannot be split
+    that way (``row_shardable``, ``column_shardable``)."""
     block_size = group["block_size"] or fmt.default_block_size
     if not is_dtensor(p):
         return block_size
-    if not quantizable_sharding(p.placements) or not fmt.row_shardable:
+    whole_rows = quantizable_sharding(p.placements)
+    if not (fmt.row_shardable if whole_rows else fmt.column_shardable):
         return None
-    return row_aligned_block_size(p.shape, block_size)
+    return state_block_size(p, block_size)
 
 
 def plain_state_dtype(p: Tensor) -> torch.dtype:

@@ -19,6 +19,7 @@ raises ``NotImplementedError`` naming the op (docs/state_formats.md, "Adding an 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -74,6 +75,11 @@ class QuantizedState(torch.Tensor):
     # Whether a row-sharded parameter (FSDP2) may keep its state in this format, quantized per local shard: true
     # where every scale covers one block, so that whole blocks of rows give the codes of the whole tensor.
     row_shardable: ClassVar[bool] = True
+    # Whether a column-sharded parameter (tensor parallelism's Shard(1)) may keep its state in this format, and a
+    # state be sliced by columns (DCP's resharding): true where the inner tensors are ``elementwise_fields`` and
+    # ``blockwise_fields`` only, every scale covers one block of one row, and ``dequantize`` reads its inner tensors
+    # through ``compact()`` (a slice of columns holds strided views of them, one row of them per row).
+    column_shardable: ClassVar[bool] = False
     _format_ops: ClassVar[dict[Any, Callable]] = {}
 
     def __init_subclass__(cls, **kwargs):
@@ -234,6 +240,17 @@ class QuantizedState(torch.Tensor):
                         f"block {i} holds {got[i].item()}"
                     )
 
+    def is_compact(self) -> bool:
+        """Whether every inner tensor is flat (not a slice of columns: see :meth:`compact`)."""
+        return all(inner.dim() <= 1 for inner in self.fields().values())
+
+    def compact(self) -> QuantizedState:
+        """This state with flat inner tensors in row-major element order: itself, or a copy where it is a slice of
+        columns (``state[:, a:b]``, whose inner tensors are strided views of its parent's, one row per row)."""
+        if self.is_compact():
+            return self
+        return self._new({k: v.clone(memory_format=torch.contiguous_format).view(-1) for k, v in self.fields().items()})
+
     def share_memory_(self) -> QuantizedState:
         """Move every inner tensor to shared memory (``torch.multiprocessing``, Hogwild training); in place."""
         # The wrapper itself has no storage of its own to share.
@@ -266,7 +283,8 @@ class QuantizedState(torch.Tensor):
         value = value.expand(self.shape) if value.shape != self.shape else value
         new = self.quantize_fields(value, **self.attrs())
         for name in self.data_fields():  # the other fields hold sizes, which requantizing does not change
-            getattr(self, name).copy_(new[name])
+            inner = getattr(self, name)
+            inner.copy_(new[name].view(inner.shape))  # (a slice of columns: through its strided views)
         return self
 
     # ---- torch.compile, pickling, repr ---------------------------------------------------------------
@@ -279,7 +297,8 @@ class QuantizedState(torch.Tensor):
         return cls(outer_size, dtype, **inner, **dict(attrs))
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (type(self), tuple(self.shape), self.dtype, self.fields(), self.attrs()))
+        this = self.compact()  # a slice of columns pickles as a state of its own
+        return (_rebuild, (type(this), tuple(this.shape), this.dtype, this.fields(), this.attrs()))
 
     def _stable_hash_for_caching(self) -> str:
         # The compile caches' key (AOTAutograd's, which hands over inductor's graph): everything that decides a
@@ -414,8 +433,9 @@ def _copy_(func, args, kwargs):
     dst, src = args[0], args[1]
     if isinstance(dst, QuantizedState):
         if dst.same_layout(src):
+            # field by field, in row-major element order (either may be a slice of columns: strided views)
             for name, inner in dst.fields().items():
-                inner.copy_(getattr(src, name))
+                inner.copy_(getattr(src, name).reshape(inner.shape))
             return dst
         src = src.dequantize() if isinstance(src, QuantizedState) else src
         return dst.assign(src.to(dst.device))
@@ -428,7 +448,8 @@ def _zero_(func, args, kwargs):
     self = args[0]
     zeros = self.zeros_fields(self.shape, self.device, **self.attrs())
     for name in self.data_fields():  # as assign: the other fields hold sizes
-        getattr(self, name).copy_(zeros[name])
+        inner = getattr(self, name)
+        inner.copy_(zeros[name].view(inner.shape))
     return self
 
 
@@ -455,9 +476,10 @@ def _new_zeros(func, args, kwargs):
 
 @implements([aten.clone.default])
 def _clone(func, args, kwargs):
-    # copy.deepcopy of an optimizer state_dict, checkpoint snapshots
+    # copy.deepcopy of an optimizer state_dict, checkpoint snapshots; a copy of a slice of columns is compact
     self = args[0]
-    return self._new({k: v.clone() for k, v in self.fields().items()})
+    flat = self.compact()
+    return flat if flat is not self else self._new({k: v.clone() for k, v in self.fields().items()})
 
 
 @implements([aten.detach.default, aten.alias.default])
@@ -470,7 +492,7 @@ def _detach(func, args, kwargs):
 @implements([aten._to_copy.default])
 def _to_copy(func, args, kwargs):
     # .to(device), .cpu(), .cuda() keep the tensor quantized; .to(dtype) changes what it dequantizes to
-    self = args[0]
+    self = args[0].compact()
     dtype = kwargs.get("dtype") or self.dtype
     _check_float_dtype(type(self), dtype)
     device, non_blocking = kwargs.get("device"), kwargs.get("non_blocking", False)
@@ -489,6 +511,11 @@ def _view(func, args, kwargs):
     # reshape/flatten of state (the optimizer's flat step, DCP, FSDP): the flat element order, hence
     # every block and every inner tensor, is unchanged
     self, size = args[0], args[1]
+    if not self.is_compact():
+        raise NotImplementedError(
+            f"{type(self).__name__}: a slice of columns of shape {tuple(self.shape)} cannot be viewed as {list(size)} "
+            f"(its inner tensors are strided); take a copy first (clone())"
+        )
     return self._new(self.fields(), shape=infer_size(size, self.numel()))
 
 
@@ -500,22 +527,35 @@ def _slice_bound(index: int | None, default: int, size: int) -> int:
     return min(max(index + size if index < 0 else index, 0), size)
 
 
+def _codes_per_byte(self) -> int:
+    layout = self.fast_path_layout()
+    return 2 if layout is not None and layout.bits == 4 else 1  # 4-bit codes: two per byte
+
+
 @implements([aten.slice.Tensor])
 def _slice(func, args, kwargs):
-    # row shards of state (FSDP2 chunks dim 0): only on block boundaries, so every block stays whole
+    # row shards of state (FSDP2 chunks dim 0): only on block boundaries, so every block stays whole; column
+    # shards (tensor parallelism's Shard(1), which DCP narrows along dim 1): see _slice_columns
     self = args[0]
     dim, start, end, step = (list(args[1:]) + [0, None, None, 1][len(args) - 1 :])[:4]
     dim = dim % max(self.dim(), 1)
     if step < 1:
         raise ValueError(f"{type(self).__name__}: slice step must be positive, got {step}")
-    rows = self.shape[0] if self.dim() else 1
-    start = _slice_bound(start, 0, rows)
-    length = -(-max(_slice_bound(end, rows, rows) - start, 0) // step)  # the rows torch's slice selects
-    if dim != 0 or (step != 1 and length > 1):
+    size = self.shape[dim] if self.dim() else 1
+    start = _slice_bound(start, 0, size)
+    length = -(-max(_slice_bound(end, size, size) - start, 0) // step)  # the indices torch's slice selects
+    if dim > 1 or (step != 1 and length > 1):
         raise NotImplementedError(
-            f"{type(self).__name__}: slicing is supported along dim 0 with step 1 only, got dim={dim}, step={step}"
+            f"{type(self).__name__}: slicing is supported along dim 0 (rows) and dim 1 (columns) with step 1 only, "
+            f"got dim={dim}, step={step}"
         )
     end = start + length
+    if dim == 1:
+        return _slice_columns(self, start, end)
+    if not self.is_compact():  # rows of a slice of columns: the same rows of each of its (rows, n) views
+        fields = {name: _flat_if_contiguous(inner[start:end]) for name, inner in self.fields().items()}
+        return self._new(fields, shape=(end - start,) + tuple(self.shape[1:]))
+    rows = self.shape[0] if self.dim() else 1
     row = self.numel() // max(rows, 1)
     first, last, bs = start * row, end * row, self.block_size
     if first == last:  # empty: no element, no block, wherever it starts
@@ -526,13 +566,98 @@ def _slice(func, args, kwargs):
             f"not start and end on a block boundary (block_size={bs})"
         )
     fields = self.fields()
-    layout = self.fast_path_layout()
-    per_byte = 2 if layout is not None and layout.bits == 4 else 1  # 4-bit codes: two per byte
+    per_byte = _codes_per_byte(self)
     for name in self.elementwise_fields:
         fields[name] = fields[name][first // per_byte : (last + per_byte - 1) // per_byte]
     for name in self.blockwise_fields:
         fields[name] = fields[name][first // bs : n_blocks(last, bs)]
     return self._new(fields, shape=(end - start,) + tuple(self.shape[1:]))
+
+
+@implements([aten.split.Tensor, aten.split_with_sizes.default])
+def _split(func, args, kwargs):
+    # torch.chunk: DTensor's all-gather along dim 1 (Shard(1)) splits the gathered rows into each rank's part
+    self, sizes = args[0], args[1]
+    dim = (args[2] if len(args) > 2 else kwargs.get("dim", 0)) % max(self.dim(), 1)
+    n = self.shape[dim] if self.dim() else 1
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - start) for start in range(0, n, sizes)] or [0]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [aten.slice.Tensor(self, dim, start, start + size) for start, size in zip(starts, sizes)]
+
+
+# ---- columns: slicing, concatenating and padding whole blocks of each row (tensor parallelism, DCP) -------------
+
+
+def _flat_if_contiguous(inner: torch.Tensor) -> torch.Tensor:
+    return inner.view(-1) if inner.is_contiguous() else inner
+
+
+def _by_rows(self, inner: torch.Tensor) -> torch.Tensor:
+    """``inner`` (one of ``self``'s inner tensors, flat or a slice of columns' strided view) as ``(rows, n)``."""
+    return inner.view(self.shape[0], inner.numel() // self.shape[0]) if inner.dim() == 1 else inner
+
+
+def _check_columns(self, start: int, end: int, what: str) -> tuple[int, int]:
+    """The elements ``[first, last)`` of each row that columns ``[start:end]`` of ``self`` cover; ValueError unless
+    they are whole blocks of every row (and whole bytes of 4-bit codes), NotImplementedError for a format whose
+    scales are not per block (``column_shardable``)."""
+    name = type(self).__name__
+    if not type(self).column_shardable:
+        raise NotImplementedError(
+            f"{name}: {what} is supported along dim 0 only, not dim 1: its scales do not each cover a block of one row"
+        )
+    if self.dim() < 2:
+        raise ValueError(f"{name}: {what} along dim 1 needs two or more dimensions, got shape {tuple(self.shape)}")
+    inner = math.prod(self.shape[2:])
+    row, first, last, bs = self.shape[1] * inner, start * inner, end * inner, self.block_size
+    if row % bs or first % bs or last % bs or bs % _codes_per_byte(self):
+        raise ValueError(
+            f"{name}: columns [{start}:{end}] of shape {tuple(self.shape)} cover elements [{first}:{last}] of each "
+            f"row of {row}, which are not whole blocks of the row (block_size={bs}); {what} along dim 1 keeps "
+            f"every block whole"
+        )
+    return first, last
+
+
+def _slice_columns(self, start: int, end: int):
+    """Columns ``[start:end]`` of ``self``, whose inner tensors are views of ``self``'s (strided, ``(rows, n)``):
+    a write into the slice (``copy_``, ``zero_``, an in-place op) writes into ``self``, as DCP's load expects."""
+    if (start, end) == (0, self.shape[1]) and self.dim() >= 2:
+        return self._new(self.fields())
+    first, last = _check_columns(self, start, end, "slicing")
+    shape = (self.shape[0], end - start) + tuple(self.shape[2:])
+    if self.shape[0] == 0 or first == last:  # no element: nothing to alias
+        return type(self).zeros(shape, device=self.device, dtype=self.dtype, **self.attrs())
+    per = {name: _codes_per_byte(self) for name in self.elementwise_fields}
+    per.update({name: self.block_size for name in self.blockwise_fields})
+    fields = {
+        name: _flat_if_contiguous(_by_rows(self, inner)[:, first // per[name] : last // per[name]])
+        for name, inner in self.fields().items()
+    }
+    return self._new(fields, shape=shape)
+
+
+def _cat_columns(parts: Sequence[QuantizedState]) -> QuantizedState:
+    """``parts`` (one format and layout, the same shape but along dim 1) concatenated along dim 1: each row of the
+    result is the parts' rows end to end, each of them whole blocks."""
+    first = parts[0]
+    for part in parts:
+        same = part.shape[:1] == first.shape[:1] and part.shape[2:] == first.shape[2:]
+        if type(part) is not type(first) or part.attrs() != first.attrs() or part.dim() < 2 or not same:
+            raise ValueError(
+                f"cat of quantized states along dim 1 needs one format, layout and shape but for dim 1: got {part!r} "
+                f"beside {first!r}"
+            )
+        _check_columns(part, 0, part.shape[1], "concatenating")
+    shape = (first.shape[0], sum(part.shape[1] for part in parts)) + tuple(first.shape[2:])
+    if first.shape[0] == 0:
+        return type(first).zeros(shape, device=first.device, dtype=first.dtype, **first.attrs())
+    fields = {
+        name: torch.cat([_by_rows(part, getattr(part, name)) for part in parts], dim=1).view(-1)
+        for name in first.tensor_fields()
+    }
+    return first._new(fields, shape=shape)
 
 
 # ---- rows: concatenating, padding and gathering whole blocks (DTensor, FSDP2, DCP) ----------------------
@@ -558,6 +683,7 @@ def _cat_rows(parts: Sequence[QuantizedState]) -> QuantizedState:
             )
     for part in parts[:-1]:
         _check_whole_blocks(part, "concatenating along dim 0")
+    parts = [part.compact() for part in parts]
     fields = {name: torch.cat([getattr(part, name) for part in parts]) for name in first.tensor_fields()}
     rows = sum(part.shape[0] for part in parts)
     return first._new(fields, shape=(rows,) + tuple(first.shape[1:]))
@@ -565,32 +691,37 @@ def _cat_rows(parts: Sequence[QuantizedState]) -> QuantizedState:
 
 @implements([aten.cat.default])
 def _cat(func, args, kwargs):
-    # DTensor's gathers and pads along dim 0 (a quantized state in every part, the rows whole blocks)
+    # DTensor's gathers and pads along dim 0 (a quantized state in every part, the rows whole blocks), and along
+    # dim 1 (Shard(1): each row's parts whole blocks)
     tensors, dim = args[0], (args[1] if len(args) > 1 else kwargs.get("dim", 0))
-    if not all(isinstance(t, QuantizedState) for t in tensors) or dim % max(tensors[0].dim(), 1) != 0:
+    dim = dim % max(tensors[0].dim(), 1)
+    if not all(isinstance(t, QuantizedState) for t in tensors) or dim > 1:
         raise NotImplementedError(
-            f"cat of quantized states is supported along dim 0, with every tensor quantized; "
+            f"cat of quantized states is supported along dim 0 and dim 1, with every tensor quantized; "
             f"got dim={dim} and {[type(t).__name__ for t in tensors]}"
         )
-    return _cat_rows(tensors)
+    return _cat_rows(tensors) if dim == 0 else _cat_columns(tensors)
 
 
 @implements([aten.constant_pad_nd.default])
 def _constant_pad_nd(func, args, kwargs):
-    # DTensor pads an uneven last shard with zero rows before an all-gather (Shard(0) -> Replicate)
+    # DTensor pads an uneven last shard with zeros after its last row (Shard(0)) or column (Shard(1)) before an
+    # all-gather (-> Replicate). F.pad's list runs from the last dim: (before, after) of dim n - 1, of n - 2, ...
     self, pad = args[0], list(args[1])
     value = args[2] if len(args) > 2 else kwargs.get("value", 0)
-    after = pad[-1] if len(pad) == 2 * self.dim() else 0
-    if value != 0 or self.dim() == 0 or any(pad[:-1]) or len(pad) != 2 * self.dim() or after < 0:
+    nonzero = [i for i, v in enumerate(pad) if v]
+    dim = self.dim() - 1 - nonzero[0] // 2 if len(nonzero) == 1 and nonzero[0] % 2 else None
+    if value != 0 or len(pad) > 2 * self.dim() or (nonzero and dim not in (0, 1)) or any(v < 0 for v in pad):
         raise NotImplementedError(
-            f"{type(self).__name__}: padding is supported with zeros after the last row only, "
+            f"{type(self).__name__}: padding is supported with zeros after the last row or column only, "
             f"got pad={pad}, value={value}"
         )
-    if after == 0:
+    if not nonzero:
         return self
-    shape = (after,) + tuple(self.shape[1:])
+    shape = list(self.shape)
+    shape[dim] = pad[nonzero[0]]
     zeros = type(self)(shape, self.dtype, **self.zeros_fields(shape, self.device, **self.attrs()), **self.attrs())
-    return _cat_rows([self, zeros])
+    return _cat_rows([self, zeros]) if dim == 0 else _cat_columns([self, zeros])
 
 
 if torch.distributed.is_available() and hasattr(torch.ops, "_c10d_functional"):
@@ -601,6 +732,7 @@ if torch.distributed.is_available() and hasattr(torch.ops, "_c10d_functional"):
         # DTensor.full_tensor() and redistribute(Replicate) of a sharded state; DCP's full state dict: every
         # rank's rows are whole blocks, so gathering each inner tensor gathers the blocks
         self, group_size, group_name = args
+        self = self.compact()
         _check_whole_blocks(self, "an all-gather along dim 0")
         fields = {name: func(inner, group_size, group_name) for name, inner in self.fields().items()}
         return self._new(fields, shape=(self.shape[0] * group_size,) + tuple(self.shape[1:]))

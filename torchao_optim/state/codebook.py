@@ -37,6 +37,7 @@ class CodebookState(QuantizedState):
 
     elementwise_fields = ("codes",)
     blockwise_fields = ("absmax",)
+    column_shardable = True  # one scale per block; dequantize reads compact() fields
 
     @classmethod
     def layout(cls, **attrs) -> StateLayout:
@@ -94,6 +95,7 @@ class CodebookState(QuantizedState):
         }
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self = self.compact()  # a slice of columns: its codes and scales in row-major order
         layout = self.fast_path_layout()
         return dequantize_blockwise(
             getattr(self, layout.codes),

@@ -109,6 +109,8 @@ class FourBitRank1Tensor(FourBitTensor):
     attr_fields = ("signed", "block_size", "rows")
     # Shard(0): every rank quantizes its own rows, with the column maxima all-reduced (shared_columns says how many)
     row_shardable = True
+    # Shard(1): a row's maximum would span ranks as well as a column's (kept plain), and no slice of columns
+    column_shardable = False
     # A row slice that does not end at the last row (rows [a:b] for DCP's resharding): its ``absmax`` is a view that
     # starts at row a's maximum and runs to the end of the column maxima, which start at this index. None: compact,
     # ``rows`` row maxima then the column maxima (every stored state, and every state compiled code sees).

@@ -320,8 +320,19 @@ class StateFormatTestCase(expecttest.TestCase):
                 check.equal(q.dequantize()[2:6], torch.zeros(4, row), f"shape (8, {row}), a write to rows [2:6]")
         with self.assertRaisesRegex(ValueError, "block boundary", msg=f"format {self.format_name!r}"):
             self.quantize(self.sample(10, self.block_size + 1))[1:3]  # row 1 starts one element into a block
-        with self.assertRaisesRegex(NotImplementedError, "dim 0", msg=f"format {self.format_name!r}"):
-            q[:, :256]
+        if not type(q).column_shardable:
+            with self.assertRaisesRegex(NotImplementedError, "dim 0", msg=f"format {self.format_name!r}"):
+                q[:, :256]
+            return
+        # columns (tensor parallelism's Shard(1)): whole blocks of each row, a view that writes reach
+        bs, last = self.block_size, f"shape (8, {row}), columns [{row - self.block_size}:]"  # each row's last block
+        with self.failures() as check:
+            c = q[:, row - bs :]
+            check.equal(c.dequantize(), q.dequantize()[:, row - bs :], last)
+            c.copy_(torch.zeros(8, bs))
+            check.equal(q.dequantize()[:, row - bs :], torch.zeros(8, bs), f"{last}: a write")
+        with self.assertRaisesRegex(ValueError, "not whole blocks", msg=f"format {self.format_name!r}"):
+            q[:, 1 : bs + 1]
 
     def test_slice_bounds_are_clamped_as_torch_clamps_them(self):
         # negative bounds count from the end and stop at the start, bounds past either end are clamped, an end
