@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param
 
 __all__ = ["ADAGRAD", "ADAGRAD_COEFS", "adagrad_coefficients", "adagrad_update"]
 
@@ -50,7 +50,7 @@ def adagrad_update(
     ok = finite & torch.isfinite(s_new)
     s = torch.where(ok, s_new, state_sum)
     state_sum.copy_(s)
-    p_new = p - clr * g / (s.sqrt() + eps)
+    p_new = p - clr * g / (sqrt_rn(s) + eps)
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 

@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param
 
 __all__ = [
     "RMSPROP",
@@ -82,9 +82,9 @@ def rmsprop_update(
     if grad_avg is not None:
         a_new = grad_avg + one_minus_alpha * (g - grad_avg)
         ok = ok & torch.isfinite(a_new)
-        denom = (v_new - a_new * a_new).clamp_min(0).sqrt() + eps
+        denom = sqrt_rn((v_new - a_new * a_new).clamp_min(0)) + eps
     else:
-        denom = v_new.sqrt() + eps
+        denom = sqrt_rn(v_new) + eps
     if momentum_buffer is not None:
         b_new = momentum_buffer * momentum + g / denom
         ok = ok & torch.isfinite(b_new)
