@@ -15,7 +15,7 @@ import made_up_formats  # noqa: F401  (the test-only formats: codebooks written 
 import pytest
 import torch
 
-from torchao_optim import Adam, AdamW, Lion8bit, SGD8bit, list_state_formats
+from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit, list_state_formats
 from torchao_optim.kernels import cpu
 from torchao_optim.state import QuantizedState, get_state_format
 
@@ -121,6 +121,36 @@ def test_adam_l2_maximize_equals_compiled_path(fmt):
     ids=["sgd", "sgd-nesterov-maximize", "lion"],
 )
 def test_one_state_rules_equal_compiled_path(fmt, make):
+    a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
+    _train(a, b, oa, ob)
+    _assert_same_step(oa, ob, a, b)
+
+
+ADAGRAD_RMSPROP = {
+    "adagrad": lambda ps, **kw: Adagrad8bit(
+        ps, lr=1e-2, lr_decay=0.01, weight_decay=1e-3, initial_accumulator_value=0.1, maximize=True, **kw
+    ),
+    "rmsprop": lambda ps, **kw: RMSprop8bit(ps, lr=1e-3, weight_decay=1e-3, **kw),
+    "rmsprop-momentum": lambda ps, **kw: RMSprop8bit(ps, lr=1e-3, alpha=0.9, momentum=0.9, maximize=True, **kw),
+}
+
+
+@pytest.mark.parametrize(
+    "name,fmt",
+    # each kernel family once in CI (the conformance cases hold the C step to torch.optim for all three rules)
+    [("adagrad", "dtq8"), ("rmsprop-momentum", "dtq8")]
+    + [
+        pytest.param(name, fmt, marks=pytest.mark.slow)
+        for name in ADAGRAD_RMSPROP
+        for fmt in ("dtq8", "4bit", "none")
+        if (name, fmt) not in (("adagrad", "dtq8"), ("rmsprop-momentum", "dtq8"))
+    ],
+)
+def test_adagrad_and_rmsprop_equal_compiled_path(name, fmt):
+    """Adagrad's sum and RMSprop's square_avg (unsigned, the one-state rules; with momentum the first of two states)
+    stored bit for bit as the compiled path stores them; RMSprop's momentum buffer too, which depends on a square
+    root (correctly rounded on both paths)."""
+    make = ADAGRAD_RMSPROP[name]
     a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
     _train(a, b, oa, ob)
     _assert_same_step(oa, ob, a, b)

@@ -68,18 +68,20 @@ import triton.language as tl
 from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
 from torchao_optim.kernels.tables import flat_shift
-from torchao_optim.rules import LION, SGD
+from torchao_optim.rules import ADAGRAD, LION, RMSPROP, SGD
 from torchao_optim.state import get_state_format
 
-dtype, bits, rule = sys.argv[1], int(sys.argv[2]), {"sgd": SGD, "lion": LION}[sys.argv[3]]
+dtype, bits = sys.argv[1], int(sys.argv[2])
+rule = {"sgd": SGD, "lion": LION, "adagrad": ADAGRAD, "rmsprop": RMSPROP}[sys.argv[3]]
+signed = rule.signed[0]
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
              "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64", "s_values": "*fp32",
              "s_level1": "*i32", "s_level2": "*i32"}
 constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
                  VEC=16 // (4 if dtype == "fp32" else 2), ALIGNED=True, UPDATE=rule.triton_update(), OPTION=False,
-                 MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=True,
-                 S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=True)
+                 MAXIMIZE=False, SR=False, S_QUANT=True, S_BITS=bits, PTX=True, S_SIGNED=signed,
+                 S_FLAT=flat_shift(get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed)
                                    .fast_path_layout(), "triton"))
 print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 """
@@ -87,14 +89,59 @@ print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
 @pytest.mark.parametrize(
-    "dtype,bits,rule", [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"), ("bf16", 4, "sgd")]
+    "dtype,bits,rule",
+    [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"), ("bf16", 4, "sgd")]
+    # Adagrad's and RMSprop's tile updates, with an unsigned state (about 8 s each: --runslow)
+    + [pytest.param(*c, marks=pytest.mark.slow) for c in [("fp32", 8, "adagrad"), ("bf16", 4, "rmsprop")]],
 )
 def test_momentum_kernel_compiles_for_sm90(dtype, bits, rule):
-    """The one-state kernel (SGD with momentum, Lion), with its inline PTX, compiles too."""
+    """The one-state kernel (SGD with momentum, Lion, Adagrad, RMSprop), with its inline PTX, compiles too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", _MOMENTUM, dtype, str(bits), rule],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.strip().splitlines()[-1]) > 0
+
+
+_TWO_STATES = """
+import sys
+import triton.language as tl
+from benchmarks.count_instructions import compile_kernel
+from torchao_optim.kernels.triton_adam import adam_kernel
+from torchao_optim.kernels.tables import flat_shift
+from torchao_optim.rules import RMSPROP_MOMENTUM as rule
+from torchao_optim.state import get_state_format
+
+dtype, bits = sys.argv[1], int(sys.argv[2])
+param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
+signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
+             "prog_block": "*i32", "prog_tiles": "*i32", "steps": "*fp32", "round_info": "*i64", "m_values": "*fp32",
+             "m_level1": "*i32", "m_level2": "*i32", "v_values": "*fp32", "v_level1": "*i32", "v_level2": "*i32"}
+m, v = (get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=s).fast_path_layout()
+        for s in rule.signed)
+constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 else 128, BLOCK=256,
+                 VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=True, ALIGNED=True, UPDATE=rule.triton_update(),
+                 OPTION=False, MAXIMIZE=False, PTX=True, SR=False, M_QUANT=True, M_BITS=bits, V_QUANT=True,
+                 V_BITS=bits, M_SIGNED=rule.signed[0], V_SIGNED=rule.signed[1], PDL=True,
+                 M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"))
+print(len(compile_kernel(adam_kernel, signature, constants).asm["cubin"]))
+"""
+
+
+@pytest.mark.slow  # about 10 s
+@pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
+def test_two_state_kernel_compiles_rmsprop_with_momentum_for_sm90():
+    """The two-state kernel with RMSprop's element update (its first state unsigned, its second signed)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", _TWO_STATES, "bf16", "8"],
         capture_output=True,
         text=True,
         env=env,

@@ -1,10 +1,11 @@
-"""SGD8bit, Lion8bit and Muon8bit beyond the conformance case; torch.optim's implementation keywords everywhere."""
+"""SGD8bit, Lion8bit, Muon8bit, Adagrad8bit and RMSprop8bit beyond the conformance case; torch.optim's
+implementation keywords everywhere."""
 
 import pytest
 import torch
 
 import torchao_optim
-from torchao_optim import AdamW, AdamW8bit, Lion8bit, Muon8bit, SGD8bit
+from torchao_optim import Adagrad8bit, AdamW, AdamW8bit, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels_available
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.muon import newton_schulz
@@ -15,7 +16,11 @@ OURS = {
     "SGD8bit": lambda ps, **kw: SGD8bit(ps, **{"lr": 0.1, "momentum": 0.9, **kw}),
     "Lion8bit": lambda ps, **kw: Lion8bit(ps, **kw),
     "Muon8bit": lambda ps, **kw: Muon8bit(ps, **kw),
+    "Adagrad8bit": lambda ps, **kw: Adagrad8bit(ps, **{"lr_decay": 0.01, **kw}),
+    "RMSprop8bit": lambda ps, **kw: RMSprop8bit(ps, **kw),
+    "RMSprop8bit-momentum": lambda ps, **kw: RMSprop8bit(ps, **{"momentum": 0.9, **kw}),
 }
+FUSED_ONE_AND_TWO_STATE = ["SGD8bit", "Lion8bit", "Adagrad8bit", "RMSprop8bit", "RMSprop8bit-momentum"]
 
 
 def params(*shapes):
@@ -64,11 +69,13 @@ def test_sgd_without_momentum_keeps_no_state_and_matches_torch():
     [
         (SGD8bit, torch.optim.SGD, dict(lr=0.01, momentum=0.9)),
         (Muon8bit, torch.optim.Muon, dict(lr=0.02)),
+        (Adagrad8bit, torch.optim.Adagrad, dict(lr=0.01, lr_decay=0.1, initial_accumulator_value=0.5)),
+        (RMSprop8bit, torch.optim.RMSprop, dict(lr=0.01, momentum=0.9, centered=True)),
     ],
 )
 def test_loads_torch_optim_state_dict(cls, ref_cls, kw):
-    """torch.optim.SGD's and Muon's state_dicts have no step count: the buffers exist, so one step has run. With
-    fp32 state, ours continues exactly as torch.optim does."""
+    """torch.optim.SGD's and Muon's state_dicts have no step count: the buffers exist, so one step has run
+    (Adagrad's and RMSprop's have theirs: 1). With fp32 state, ours continues exactly as torch.optim does."""
     ours, ref = params((64, 96)), params((64, 96))
     r = ref_cls(ref, **kw)
     grads = [torch.randn(64, 96, generator=torch.Generator().manual_seed(k)) for k in range(3)]
@@ -125,7 +132,7 @@ def test_muon_adjust_lr_match_rms_adamw_matches_torch():
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("name", ["AdamW8bit", "SGD8bit", "Lion8bit"])
+@pytest.mark.parametrize("name", ["AdamW8bit"] + FUSED_ONE_AND_TWO_STATE)
 def test_capturable_step_replays_in_a_cuda_graph(name):
     """capturable=True: after warm-up steps the step is captured in a CUDA graph; replays with a tensor lr changed
     in place and new gradients copied into the captured ones follow an eager twin bit for bit."""
@@ -166,12 +173,13 @@ def test_capturable_step_replays_in_a_cuda_graph(name):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["SGD8bit", "Lion8bit"])
+@pytest.mark.parametrize("name", FUSED_ONE_AND_TWO_STATE)
 def test_fused_matches_compiled_path_on_cuda(name, dtype):
-    """The one-state kernel against the compiled path, 20 steps. They round differently (FMA), so a state value
-    within rounding of a midpoint between two codes may take either code (test_cuda.py's bound for Adam: under
-    2% of the codes differ), and a Lion direction within rounding of 0 may take either sign; a wrong kernel
-    differs almost everywhere. Parameters: mean difference under 2% of how far they moved."""
+    """The one-state kernel (RMSprop with momentum: the two-state one) against the compiled path, 20 steps. They
+    round differently (FMA), so a state value within rounding of a midpoint between two codes may take either code
+    (test_cuda.py's bound for Adam: under 2% of the codes differ), and a Lion direction within rounding of 0 may
+    take either sign; a wrong kernel differs almost everywhere. Parameters: mean difference under 2% of how far
+    they moved."""
     make, steps = OURS[name], 20
     shapes = ((256, 64), (1000, 7), (300,), (5000,))
     a = [torch.nn.Parameter(p.detach().to("cuda", dtype)) for p in params(*shapes)]
@@ -187,16 +195,17 @@ def test_fused_matches_compiled_path_on_cuda(name, dtype):
         ob.step()
     plans = oa._plans[id(oa.param_groups[0])]
     assert plans["rest"] == [] and sum(len(plan.params) for plan in plans["plans"]) == len(a)
-    key = "momentum_buffer" if name == "SGD8bit" else "exp_avg"
     for p, q, s in zip(a, b, start):
         moved = (q.float() - s).abs().mean().item()
         assert (p.float() - q.float()).abs().mean().item() <= 0.02 * moved
-        sa, sb = oa.state[p][key], ob.state[q][key]
-        assert type(sa) is type(sb) and float(oa.state[p]["step"]) == steps
-        if isinstance(sa, torchao_optim.DTQ8bitTensor):
-            assert (sa.codes != sb.codes).float().mean().item() < 0.02
-        else:
-            torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-6)
+        assert set(oa.state[p]) == set(ob.state[q]) and float(oa.state[p]["step"]) == steps
+        for key in set(oa.state[p]) - {"step"}:
+            sa, sb = oa.state[p][key], ob.state[q][key]
+            assert type(sa) is type(sb)
+            if isinstance(sa, torchao_optim.DTQ8bitTensor):
+                assert (sa.codes != sb.codes).float().mean().item() < 0.02, key
+            else:
+                torch.testing.assert_close(sa, sb, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs a C compiler for the fused CPU step")

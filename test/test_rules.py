@@ -9,10 +9,10 @@ import dataclasses
 import pytest
 import torch
 
-from torchao_optim import Adam, AdamW, Lion8bit, SGD8bit
+from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels_available, cpu_rule, cpu_rules
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.rules import ADAM, LION, SGD, FusedRule, sgd_coefficients
+from torchao_optim.rules import ADAGRAD, ADAM, LION, RMSPROP, RMSPROP_MOMENTUM, SGD, FusedRule, sgd_coefficients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built")
@@ -49,7 +49,7 @@ def _step_refused(fused, rule, match):
 @needs_c
 def test_every_built_in_rule_is_in_the_c_steps_table():
     table = {name: (states, coefs) for name, states, coefs in cpu_rules()}
-    for rule in (ADAM, SGD, LION):
+    for rule in (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM):
         assert table[rule.c_name] == (len(rule.state_keys), rule.n_coefs)
         assert cpu_rules()[cpu_rule(rule)][0] == rule.c_name
 
@@ -97,6 +97,9 @@ def test_a_rules_signs_match_its_states():
         (Adam(params), ADAM),
         (SGD8bit(params, momentum=0.9), SGD),
         (Lion8bit(params), LION),
+        (Adagrad8bit(params), ADAGRAD),
+        (RMSprop8bit(params), RMSPROP),
+        (RMSprop8bit(params, momentum=0.9), RMSPROP_MOMENTUM),
     ):
         assert opt._fused_rule(opt.param_groups[0]) is rule
         assert tuple(opt._signed(k) for k in rule.state_keys) == rule.signed

@@ -1,6 +1,7 @@
 """torchao_optim: low-bit optimizer state for PyTorch, as tensor subclasses."""
 
 from torchao_optim.optim import (
+    Adagrad8bit,
     Adam,
     Adam4bit,
     Adam8bit,
@@ -12,6 +13,7 @@ from torchao_optim.optim import (
     AdamWFp8,
     Lion8bit,
     Muon8bit,
+    RMSprop8bit,
     SGD8bit,
     convert_state_dict,
     dequantize_state_dict,
@@ -46,6 +48,8 @@ __all__ = [
     "Lion8bit",
     "Muon8bit",
     "SGD8bit",
+    "Adagrad8bit",
+    "RMSprop8bit",
     "AdamWFp8",
     "convert_state_dict",
     "dequantize_state_dict",

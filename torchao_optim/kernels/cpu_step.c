@@ -289,7 +289,8 @@ static void encode_store(const float *restrict x, int64_t codes, int64_t scales,
     ((float *)scales)[blk] = absmax;
 }
 
-/* ---- the update rules: rules/adam.py's, rules/sgd.py's and rules/lion.py's arithmetic, in the same order ---- */
+/* ---- the update rules: rules/adam.py's, sgd.py's, lion.py's, adagrad.py's and rmsprop.py's arithmetic, in the
+   same order ---- */
 NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
                  const float *c, int decoupled) {
     const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
@@ -352,6 +353,53 @@ NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *
     }
 }
 
+NOINLINE static void adagrad(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
+    const float clr = c[0], wd = c[1], eps = c[2];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] + g * g;
+        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        float si = ok ? s_new : s[i];
+        s[i] = si;
+        p[i] = ok ? pi - clr * g / (sqrtf(si) + eps) : pi;
+    }
+}
+
+NOINLINE static void rmsprop(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] + oma * (g * g - s[i]);
+        int ok = is_finite(s_new) ? fin : 0;
+        float p_new = pi - lr * g / (sqrtf(s_new) + eps);
+        s[i] = ok ? s_new : s[i];
+        p[i] = ok ? p_new : pi;
+    }
+}
+
+NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
+                                      float *restrict b, int n, const float *c) {
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float v_new = v[i] + oma * (g * g - v[i]);
+        float b_new = b[i] * momentum + g / (sqrtf(v_new) + eps);
+        int ok = is_finite(v_new) ? (is_finite(b_new) ? fin : 0) : 0;
+        v[i] = ok ? v_new : v[i];
+        b[i] = ok ? b_new : b[i];
+        p[i] = ok ? pi - lr * b_new : pi;
+    }
+}
+
 typedef struct {
     int64_t n_tensors;
     const int64_t *ptrs;       /* (n, 1 + 2 * n_states): param, then (codes or values, scales) per state */
@@ -384,11 +432,26 @@ static void lion_rule(const Job *job, float *p, const float *g, float *s0, float
     (void)job, (void)s1;
     lion(p, g, s0, n, c);
 }
+static void adagrad_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
+    (void)job, (void)s1;
+    adagrad(p, g, s0, n, c);
+}
+static void rmsprop_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
+    (void)job, (void)s1;
+    rmsprop(p, g, s0, n, c);
+}
+static void rmsprop_momentum_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n,
+                                  const float *c) {
+    (void)job;
+    rmsprop_momentum(p, g, s0, s1, n, c);
+}
 static const struct {
     const char *name;
     int n_states, n_coefs;
     update_fn update;
-} RULES[] = {{"adam", 2, 7, adam_rule}, {"sgd", 1, 4, sgd_rule}, {"lion", 1, 4, lion_rule}};
+} RULES[] = {{"adam", 2, 7, adam_rule},       {"sgd", 1, 4, sgd_rule},         {"lion", 1, 4, lion_rule},
+             {"adagrad", 1, 4, adagrad_rule}, {"rmsprop", 1, 4, rmsprop_rule},
+             {"rmsprop_momentum", 2, 7, rmsprop_momentum_rule}};
 #define N_RULES ((int)(sizeof(RULES) / sizeof(RULES[0])))
 
 int torchao_optim_cpu_rule_count(void) { return N_RULES; }

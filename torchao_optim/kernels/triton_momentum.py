@@ -1,4 +1,4 @@
-"""The multi-tensor one-state kernel on CUDA (SGD with momentum, Lion): one launch per plan.
+"""The multi-tensor one-state kernel on CUDA (SGD with momentum, Lion, Adagrad, RMSprop): one launch per plan.
 
 The twin of :mod:`torchao_optim.kernels.triton_adam` for rules that carry one state (SGD's momentum buffer,
 Lion's ``exp_avg``): a plan's tensors share a device, param and grad dtypes and the state's layout; the kernel

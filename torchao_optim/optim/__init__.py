@@ -1,6 +1,7 @@
 """Optimizers over low-bit state: planning, the executors, the compiled path and the optimizers (their update rules
 are :mod:`torchao_optim.rules`)."""
 
+from torchao_optim.optim.adagrad import Adagrad8bit
 from torchao_optim.optim.adam import (
     Adam,
     Adam4bit,
@@ -17,6 +18,7 @@ from torchao_optim.optim.convert import convert_state_dict
 from torchao_optim.optim.convert_torchao import load_torchao_checkpoint
 from torchao_optim.optim.lion import Lion8bit
 from torchao_optim.optim.muon import Muon8bit
+from torchao_optim.optim.rmsprop import RMSprop8bit
 from torchao_optim.optim.sgd import SGD8bit
 from torchao_optim.rules import adam_update
 
@@ -33,6 +35,8 @@ __all__ = [
     "SGD8bit",
     "Lion8bit",
     "Muon8bit",
+    "Adagrad8bit",
+    "RMSprop8bit",
     "adam_update",
     "convert_state_dict",
     "load_torchao_checkpoint",

@@ -34,10 +34,11 @@ def state_of(optimizer, p: Tensor) -> dict:
 
 def adopt_state(optimizer, p: Tensor, group, state: dict) -> None:
     """Make ``state`` one the step can use, as torch.optim would use it. What it lacks is created: a reset state
-    gets zeros and step 0, and a group may gain a key (SGD's momentum buffer when momentum is turned on). A value
-    put in that is not in the form the optimizer keeps (a plain tensor where it keeps quantized codes; another
-    dtype, device, format or block size) is converted as ``load_state_dict`` converts a checkpoint: the state then
-    holds the converted tensor. A value that cannot be used raises ValueError naming the parameter and the key."""
+    gets its initial value (zeros; Adagrad's ``initial_accumulator_value``) and step 0, and a group may gain a key
+    (SGD's momentum buffer when momentum is turned on). A value put in that is not in the form the optimizer keeps
+    (a plain tensor where it keeps quantized codes; another dtype, device, format or block size) is converted as
+    ``load_state_dict`` converts a checkpoint: the state then holds the converted tensor. A value that cannot be
+    used raises ValueError naming the parameter and the key."""
     where = optimizer._where
     step = state.get("step")
     if step is None:
@@ -48,7 +49,8 @@ def adopt_state(optimizer, p: Tensor, group, state: dict) -> None:
     for key in optimizer._state_keys(group, p):
         value = state.get(key)
         if value is None:
-            state[key] = new_state_tensor(optimizer, p, group, signed=optimizer._signed(key))
+            fill = optimizer._initial_state_value(group, key)
+            state[key] = new_state_tensor(optimizer, p, group, signed=optimizer._signed(key), fill=fill)
         elif not is_own_moment(optimizer, p, group, key, value):
             at = f"{where(p)}: state[{key!r}]"
             check_usable(value, at)

@@ -10,10 +10,10 @@
 (:mod:`~torchao_optim.optim.offload`). Arguments are checked in :mod:`~torchao_optim.optim.checks`, checkpoints in
 :mod:`~torchao_optim.optim.checkpoint`.
 
-A subclass (Adam, SGD, Lion, Muon) declares its state keys and their signs, checks its hyperparameters, turns
-them into per-step coefficients (one row per parameter, float64, the one form both executors read), names the
-fused rule that implements it and updates one parameter on the compiled path: the methods under "what a subclass
-says" below.
+A subclass (Adam, SGD, Lion, Muon, Adagrad, RMSprop) declares its state keys and their signs, checks its
+hyperparameters, turns them into per-step coefficients (one row per parameter, float64, the one form both executors
+read), names the fused rule that implements it and updates one parameter on the compiled path: the methods under
+"what a subclass says" below.
 """
 
 from __future__ import annotations
@@ -170,6 +170,10 @@ class LowBitOptimizer(torch.optim.Optimizer):
     def _fused_rule(self, group) -> FusedRule | None:
         """The fused kernel's rule for this group, or None where none implements it."""
         return None
+
+    def _initial_state_value(self, group, key: str) -> float:
+        """The value every element of a new state ``key`` starts from (Adagrad's ``initial_accumulator_value``)."""
+        return 0.0
 
     def _unfused_param_reason(self, group, p: Tensor) -> str | None:
         """Why ``p`` of ``group`` takes the per-parameter path whatever its state (None: its group's rule decides)."""

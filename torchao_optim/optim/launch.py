@@ -4,11 +4,12 @@ A plan is data: pointer tables, sizes, the program map, its layouts' tables and 
 (:class:`~torchao_optim.rules.FusedRule`) says the rest: its number of states (which kernel family runs it), its
 element update in each family's form, its coefficients and its name in the C step. Three launches:
 
-- Triton, two states (Adam): the rule's coefficients kernel advances the step counts and writes the coefficient
-  rows (one launch for every plan of a group on a device, made by the first plan's: ``fused._share_coefficients``),
-  then ``adam_kernel`` with the rule's element update.
-- Triton, one state (SGD, Lion): the step counts advance and the rule's coefficient function writes the rows (a
-  few small torch launches), then ``momentum_kernel`` with the rule's element update.
+- Triton, two states (Adam, RMSprop with momentum): Adam's coefficients kernel advances the step counts and writes
+  the coefficient rows (one launch for every plan of a group on a device, made by the first plan's:
+  ``fused._share_coefficients``); a rule without one advances them as below. Then ``adam_kernel`` with the rule's
+  element update.
+- Triton, one state (SGD, Lion, Adagrad, RMSprop): the step counts advance and the rule's coefficient function
+  writes the rows (a few small torch launches), then ``momentum_kernel`` with the rule's element update.
 - CPU: each state's own step count advances, the rule's coefficient function writes the rows, then one call of
   the C step (``kernels/cpu_step.c``) runs the rule's C function, found in its table by the rule's ``c_name``.
 

@@ -73,19 +73,24 @@ def plain_state_dtype(p: Tensor) -> torch.dtype:
     return torch.float64 if p.dtype == torch.float64 else torch.float32
 
 
-def new_state_tensor(optimizer, p: Tensor, group, signed: bool, device: torch.device | str | None = None) -> Tensor:
-    """A state of zeros for ``p``; for a DTensor parameter, the state of its local shard as a DTensor laid out
-    like ``p``. An offloaded state is created on the meta device: the step's planner makes it, as zeros, in host
-    memory (:func:`~torchao_optim.optim.offload.plan_offloaded`). ``device`` overrides where (``"meta"``: what the
-    state would be, with no memory)."""
+def new_state_tensor(
+    optimizer, p: Tensor, group, signed: bool, device: torch.device | str | None = None, fill: float = 0.0
+) -> Tensor:
+    """A state of zeros for ``p`` (``fill``: of that value; a quantized state holds it exactly, one value per
+    block); for a DTensor parameter, the state of its local shard as a DTensor laid out like ``p``. An offloaded
+    state is created on the meta device: the step's planner makes it, as zeros, in host memory
+    (:func:`~torchao_optim.optim.offload.plan_offloaded`; an optimizer whose states start elsewhere refuses
+    ``offload_state``). ``device`` overrides where (``"meta"``: what the state would be, with no memory)."""
     fmt = format_for(p, group)
     lp = local(p)
     if device is None:
         device = torch.device("meta") if offloads(optimizer, p) else lp.device
     if fmt is None:
-        state = torch.zeros(lp.shape, dtype=plain_state_dtype(p), device=device)
+        state = torch.full(lp.shape, fill, dtype=plain_state_dtype(p), device=device)
     else:
         state = fmt.zeros(lp.shape, device=device, **state_attrs(p, group, fmt, signed))
+        if fill != 0.0:
+            state.copy_(torch.full(lp.shape, fill, dtype=torch.float32, device=device))  # requantizes
     return like_param(p, state) if is_dtensor(p) else state
 
 

@@ -4,7 +4,8 @@ A kernel family (``kernels/triton_momentum.py`` for one state, ``kernels/triton_
 hands the fp32 values to the rule's element update, a ``@triton.jit`` function it takes as a constexpr
 (``FusedRule.triton_update``), and stores what it returns; the update is inlined, so the kernel compiles to the
 same instructions as if the arithmetic were written in it. Each is the plain tensor update of its rule
-(``rules/adam.py``, ``rules/sgd.py``, ``rules/lion.py``) operation for operation, on the gradient already negated
+(``rules/adam.py``, ``rules/sgd.py``, ``rules/lion.py``, ``rules/adagrad.py``, ``rules/rmsprop.py``) operation
+for operation, on the gradient already negated
 for ``maximize``. ``coefs`` is the tensor's row of its rule's coefficients (a tuple of scalars, loaded once per
 program); ``OPTION`` the rule's one setting (``FusedRule.option``); ``PTX``: compiled to PTX, where inline PTX may
 be used (Triton's interpreter runs the plain forms). This module imports Triton; import it only where Triton is.
@@ -129,3 +130,50 @@ def lion_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
     sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
     p = tl.where(ok, p * wd_factor - lr * sign, p)
     return p, s
+
+
+@triton.jit
+def adagrad_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.adagrad.adagrad_update` on a tile (``s``: ``sum``; no option): returns ``(p, s)``.
+    The square root and the division round correctly (``sqrt_rn``, ``/``), as the compiled path's do."""
+    clr, wd, eps, _ = coefs
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    s_new = s + g * g
+    ok = finite & (tl.abs(s_new) < float("inf"))
+    s = tl.where(ok, s_new, s)
+    p = tl.where(ok, p - clr * g / (tl.sqrt_rn(s) + eps), p)
+    return p, s
+
+
+@triton.jit
+def rmsprop_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` without momentum or centering on a tile (``s``:
+    ``square_avg``; no option): returns ``(p, s)``."""
+    lr, wd, one_minus_alpha, eps = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    s_new = s + one_minus_alpha * (g * g - s)
+    ok = finite & (tl.abs(s_new) < float("inf"))
+    p = tl.where(ok, p - lr * g / (tl.sqrt_rn(s_new) + eps), p)
+    s = tl.where(ok, s_new, s)
+    return p, s
+
+
+@triton.jit
+def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` with momentum, not centered, on a tile (``v``:
+    ``square_avg``, ``b``: ``momentum_buffer``; no option): returns ``(p, v, b)``."""
+    lr, wd, one_minus_alpha, eps, momentum, _, _ = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    v_new = v + one_minus_alpha * (g * g - v)
+    b_new = b * momentum + g / (tl.sqrt_rn(v_new) + eps)
+    ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(b_new) < float("inf"))
+    v = tl.where(ok, v_new, v)
+    b = tl.where(ok, b_new, b)
+    p = tl.where(ok, p - lr * b_new, p)
+    return p, v, b

@@ -1,7 +1,8 @@
 """The optimizer conformance table: every optimizer, in every state format, on every executor, one set of tests.
 
 In the spirit of torch's ``OptimizerInfo``/``optim_db``: :data:`optim_db` holds one :class:`OptimizerInfo` per
-optimizer (Adam, AdamW, SGD8bit, Lion8bit, Muon8bit, and stock ``torch.optim`` optimizers through
+optimizer (Adam, AdamW, SGD8bit, Lion8bit, Muon8bit, Adagrad8bit, RMSprop8bit, and stock ``torch.optim``
+optimizers through
 :func:`~torchao_optim.quantize_optimizer_state`): how to build it in a state format on an executor, its
 full-precision reference, the executors it has, the states it keeps, how its parity is measured and its
 keyword samples. :func:`conformance_cases` crosses the table with the registered formats and the executors
@@ -28,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from torchao_optim.optim import Adam, AdamW, Lion8bit, Muon8bit, SGD8bit
+from torchao_optim.optim import Adagrad8bit, Adam, AdamW, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit
 from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import Failures
@@ -208,6 +209,14 @@ def _adam_keys(p, kwargs):
     return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kwargs.get("amsgrad") else ())
 
 
+def _rmsprop_keys(p, kwargs):
+    return (
+        ("square_avg",)
+        + (("momentum_buffer",) if kwargs.get("momentum", 0) > 0 else ())
+        + (("grad_avg",) if kwargs.get("centered") else ())
+    )
+
+
 optim_db: list[OptimizerInfo] = [
     OptimizerInfo(
         name="adamw",
@@ -276,6 +285,30 @@ optim_db: list[OptimizerInfo] = [
         # Its cpu executor runs only the AdamW fallback, whose kernels AdamW's own cases test in every format;
         # fp32 state and dtq8 check the fallback's wiring.
         cpu_formats=frozenset({"none", "dtq8"}),
+    ),
+    OptimizerInfo(
+        name="adagrad",
+        make=_ours(Adagrad8bit),
+        reference=lambda params, *, lr, **kw: torch.optim.Adagrad(params, lr=lr, foreach=False, **kw),
+        lr=1e-2,
+        executors=EXECUTORS,
+        samples=(Sample("", dict(lr_decay=0.01, weight_decay=1e-3, initial_accumulator_value=0.1, maximize=True)),),
+        state_keys=lambda p, kw: ("sum",),
+    ),
+    OptimizerInfo(
+        name="rmsprop",
+        make=_ours(RMSprop8bit),
+        reference=lambda params, *, lr, **kw: torch.optim.RMSprop(params, lr=lr, foreach=False, **kw),
+        lr=1e-2,
+        executors=EXECUTORS,
+        samples=(
+            Sample("", dict(weight_decay=1e-3, maximize=True)),  # square_avg alone: the one-state kernels
+            Sample("momentum", dict(momentum=0.9)),  # and momentum_buffer: the two-state kernels
+            # and grad_avg: three states, the per-parameter path on every device
+            Sample("centered", dict(centered=True, momentum=0.5), executors=("compiled", "eager")),
+        ),
+        state_keys=_rmsprop_keys,
+        parity="adamw",
     ),
     # Stock optimizers keep their own step (and torch.optim's handling of a non-finite gradient); their states are
     # quantized once per step. "none" is no format of quantize_optimizer_state (it would be the stock optimizer).
