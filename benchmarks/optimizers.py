@@ -17,10 +17,13 @@ edit. Names:
   ``SGDTorchQuantized`` (``quantize_optimizer_state`` over ``torch.optim.SGD(foreach=True)``),
   ``AdamWTorchQuantized`` (the same over
   ``torch.optim.AdamW(foreach=True)``), ``Lion`` / ``Lion8bit`` (``Lion8bit(state_format="none")`` / default),
-  ``Muon`` / ``Muon8bit``, and bitsandbytes' ``SGDBnb8bit`` and ``LionBnb8bit``. A benchmark hands every
+  ``Muon`` / ``Muon8bit``, ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` / ``RMSprop8bit`` (momentum 0.9; torch's
+  with ``foreach=True``), and bitsandbytes' ``SGDBnb8bit``, ``LionBnb8bit``, ``AdagradBnb8bit`` and
+  ``RMSpropBnb8bit``. A benchmark hands every
   optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
   weight decay 3x to keep ``lr * weight_decay``), Muon matches AdamW's update size
-  (``adjust_lr_fn="match_rms_adamw"``). The factor is the optimizer's ``lr_scale``, which :func:`set_lr` applies.
+  (``adjust_lr_fn="match_rms_adamw"``), Adagrad's runs at 10x it, RMSprop's at a tenth (momentum amplifies its
+  step tenfold). The factor is the optimizer's ``lr_scale``, which :func:`set_lr` applies.
 
 Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...). A benchmark-only
 module adds optimizers of its own with :func:`register_optimizer` (``benchmarks/fourbit_variants.py``).
@@ -186,6 +189,39 @@ def _other_rules() -> list[OptimizerEntry]:
         OptimizerEntry("LionBnb8bit", "bitsandbytes.optim.Lion8bit", _scaled(bnb_rule("Lion8bit"), 1 / 3), bnb),
         OptimizerEntry("Muon", "torchao_optim.Muon8bit(state_format='none') (fp32 state)", muon("none"), None, "none"),
         OptimizerEntry("Muon8bit", "torchao_optim.Muon8bit", muon("dtq8"), None, "dtq8"),
+        OptimizerEntry(
+            "Adagrad",
+            "torch.optim.Adagrad (foreach)",
+            _scaled(lambda ps, lr, wd, c: torch.optim.Adagrad(ps, lr=lr, weight_decay=wd, foreach=True), 10),
+        ),
+        OptimizerEntry(
+            "Adagrad8bit",
+            "torchao_optim.Adagrad8bit",
+            _scaled(lambda ps, lr, wd, c: o.Adagrad8bit(ps, lr=lr, weight_decay=wd, compile=c), 10),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry("AdagradBnb8bit", "bitsandbytes.optim.Adagrad8bit", _scaled(bnb_rule("Adagrad8bit"), 10), bnb),
+        OptimizerEntry(
+            "RMSprop",
+            "torch.optim.RMSprop(momentum=0.9) (foreach)",
+            _scaled(
+                lambda ps, lr, wd, c: torch.optim.RMSprop(ps, lr=lr, momentum=0.9, weight_decay=wd, foreach=True), 0.1
+            ),
+        ),
+        OptimizerEntry(
+            "RMSprop8bit",
+            "torchao_optim.RMSprop8bit(momentum=0.9)",
+            _scaled(lambda ps, lr, wd, c: o.RMSprop8bit(ps, lr=lr, momentum=0.9, weight_decay=wd, compile=c), 0.1),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "RMSpropBnb8bit",
+            "bitsandbytes.optim.RMSprop8bit(momentum=0.9)",
+            _scaled(bnb_rule("RMSprop8bit", momentum=0.9), 0.1),
+            bnb,
+        ),
     ]
 
 
