@@ -35,17 +35,16 @@ STEPS, LR, WEIGHT_DECAY, GRAD_SCALE = 30, 1e-3, 1e-2, 1e-2
 TORCHAO = {"4bit": 1.2e-3, "fp8": 2.0e-4, "dtq8": 9.0e-5}
 
 
-def parity_error(state_format: str, seed: int = 0, compile: bool = False) -> float:
-    """Mean |p - p_ref| after the case's 30 steps, ``p_ref`` from ``torch.optim.AdamW`` on the same gradients."""
+def drift(make, make_ref, seed: int = 0, steps: int = STEPS) -> float:
+    """Mean |p - p_ref| over every element after ``steps`` steps of the case: ``make(params)`` and
+    ``make_ref(params)`` build the two optimizers, over copies of the same initial parameters, and both step on the
+    same gradients."""
     gen = torch.Generator().manual_seed(seed)
     init = [torch.randn(shape, generator=gen) for shape in SHAPES]
     ours = [torch.nn.Parameter(t.clone()) for t in init]
     ref = [torch.nn.Parameter(t.clone()) for t in init]
-    opt = torchao_optim.AdamW(
-        ours, lr=LR, weight_decay=WEIGHT_DECAY, state_format=state_format, compile=compile, fused=False
-    )
-    ref_opt = torch.optim.AdamW(ref, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
-    for step in range(STEPS):
+    opt, ref_opt = make(ours), make_ref(ref)
+    for step in range(steps):
         for p, q in zip(ours, ref):
             g = torch.randn(p.shape, generator=gen) * (GRAD_SCALE * (1 + step % 3))
             p.grad, q.grad = g, g.clone()
@@ -53,6 +52,17 @@ def parity_error(state_format: str, seed: int = 0, compile: bool = False) -> flo
         ref_opt.step()
     total = sum((p.detach() - q.detach()).abs().sum().item() for p, q in zip(ours, ref))
     return total / sum(p.numel() for p in ours)
+
+
+def parity_error(state_format: str, seed: int = 0, compile: bool = False) -> float:
+    """Mean |p - p_ref| after the case's 30 steps, ``p_ref`` from ``torch.optim.AdamW`` on the same gradients."""
+    return drift(
+        lambda ps: torchao_optim.AdamW(
+            ps, lr=LR, weight_decay=WEIGHT_DECAY, state_format=state_format, compile=compile, fused=False
+        ),
+        lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False),
+        seed,
+    )
 
 
 def register_variants() -> list[str]:
