@@ -49,12 +49,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from torchao_optim import (
+    Adagrad8bit,
     AdamW,
     AdamW8bit,
     DTQ8bitTensor,
     Lion8bit,
     Muon8bit,
     QuantizedState,
+    RMSprop8bit,
     SGD8bit,
     dequantize_state_dict,
     get_state_format,
@@ -433,7 +435,13 @@ OPTIMIZERS = {
     "SGD8bit": (SGD8bit, {"momentum": 0.9}),
     "Lion8bit": (Lion8bit, {}),
     "Muon8bit": (Muon8bit, {}),
+    "Adagrad8bit": (Adagrad8bit, {"lr_decay": 0.01}),
+    # with momentum: the two-state rule (square_avg unsigned, momentum_buffer signed)
+    "RMSprop8bit": (RMSprop8bit, {"momentum": 0.9}),
 }
+# each optimizer's state that is never negative (rank-1 scaled in "4bit_rank1"), and a signed one, where it has one
+UNSIGNED_KEY = {"AdamW": "exp_avg_sq", "Adagrad8bit": "sum", "RMSprop8bit": "square_avg"}
+SIGNED_KEY = {"AdamW": "exp_avg", "Lion8bit": "exp_avg", "Adagrad8bit": "sum", "RMSprop8bit": "momentum_buffer"}
 FORMATS = ("none", "dtq8", "4bit", "fp8", "4bit_rank1")
 
 
@@ -727,7 +735,8 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     # rank-1 scaled states (4bit_rank1's exp_avg_sq of a matrix): the per-parameter path, which all-reduces their
     # column maxima, on every rank and executor (as on one process, where the fused kernels do not read them);
     # Muon's orthogonalized matrices too (no fused kernel runs Muon); every other parameter the fused C step
-    rank1 = sum(1 for k, v in ours.items() if k.endswith(".exp_avg_sq") and getattr(v, "rows", 0))
+    unsigned = UNSIGNED_KEY.get(case.opt, "exp_avg_sq")
+    rank1 = sum(1 for k, v in ours.items() if k.endswith("." + unsigned) and getattr(v, "rows", 0))
     n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
     if not stepped:
         pass
@@ -747,10 +756,10 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
     # AdamW's fc1 and fc2 (fc3's rows of 67 take no block: plain state); Muon orthogonalizes them instead
-    if (case.fmt == "4bit_rank1" and case.opt == "AdamW" and case.dims == Case.dims) != (rank1 == 2):
+    if (case.fmt == "4bit_rank1" and case.opt in UNSIGNED_KEY and case.dims == Case.dims) != (rank1 == 2):
         problems.append(f"{what}: {rank1} rank-1 scaled states")
     # the reference's layouts come from the block rule: every format quantizes fc1.weight
-    key = "fc1.weight." + ("exp_avg" if case.opt in ("AdamW", "Lion8bit") else "momentum_buffer")
+    key = "fc1.weight." + SIGNED_KEY.get(case.opt, "momentum_buffer")
     quantized = isinstance(ours.get(key), QuantizedState)
     if quantized != (case.fmt != "none"):
         problems.append(f"{what}: {key} is a {type(ours.get(key)).__name__}")
@@ -1448,7 +1457,7 @@ SWEEP_TIMEOUT = 1800  # seconds for one world's job (measured on 2 busy CPU core
 
 # offload_state=True streams the fused kernels' state (Triton's interpreter on the CPU): the optimizers whose every
 # parameter the fused kernels step
-OFFLOADED = ("AdamW", "SGD8bit", "Lion8bit")
+OFFLOADED = ("AdamW", "SGD8bit", "Lion8bit", "Adagrad8bit", "RMSprop8bit")
 
 
 def fused_layout(fmt: str) -> bool:
