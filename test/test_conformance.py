@@ -53,6 +53,11 @@ SLACK = {
     ("rmsprop-centered", "test_grid8"): 1.25,
     ("rmsprop-momentum", "fp8"): 1.25,
 }
+# AdEMAMix8bit: with beta3 = 0.9999 its slow EMA barely moves in six steps, so it follows its reference about as far as
+# AdamW follows torch.optim.AdamW (measured 0.99-1.018x, the lr schedule included); with its schedulers (beta3 0.98,
+# alpha 3) up to 1.066x (4bit_rank1). The bounds leave 8-10%.
+SLACK.update({("ademamix", fmt): 1.1 for fmt in list_state_formats()})
+SLACK.update({("ademamix-schedulers", fmt): 1.15 for fmt in list_state_formats()})
 
 # Known failures, each expected to fail until fixed (strict: a pass fails, so that the entry is removed):
 # (test, row, format) -> reason.
@@ -82,13 +87,17 @@ FUSED_IN_CI = ("adamw", "sgd")
 # Adagrad8bit and RMSprop8bit, on the CPU: CI runs a sample of their cases, (format, executor) by row. Each fused rule
 # in the C step with fp32 state (against torch.optim) and in dtq8; in Triton's interpreter, the one-state kernel with
 # an unsigned state (Adagrad's sum) and the two-state kernel with an unsigned first state (RMSprop's square_avg); and
-# centered RMSprop, which has only the per-parameter path, eagerly in fp32 state and in 4bit. The formats' codes are
+# centered RMSprop, which has only the per-parameter path, eagerly in fp32 state and in 4bit. AdEMAMix8bit (three
+# states, the per-parameter path only) eagerly, in fp32 state and 4bit, and with its schedulers in fp8; compiled in
+# dtq8 with --runslow (about 45 s a configuration on a CPU). The formats' codes are
 # read and written alike by every rule of a kernel (the other rows cover each format); the rest runs with --runslow.
 SAMPLED_IN_CI = {
     "adagrad": {("none", "cpu"), ("dtq8", "cpu"), ("dtq8", "fused")},
     "rmsprop": {("none", "cpu"), ("dtq8", "cpu")},
     "rmsprop-momentum": {("none", "cpu"), ("dtq8", "cpu"), ("dtq8", "fused")},
     "rmsprop-centered": {("none", "eager"), ("4bit", "eager")},
+    "ademamix": {("none", "eager"), ("4bit", "eager")},
+    "ademamix-schedulers": {("fp8", "eager")},
 }
 
 

@@ -14,6 +14,7 @@ from torchao_optim.optim.adam import (
     AdamWFp8,
     dequantize_state_dict,
 )
+from torchao_optim.optim.ademamix import AdEMAMix8bit
 from torchao_optim.optim.convert import convert_state_dict
 from torchao_optim.optim.convert_torchao import load_torchao_checkpoint
 from torchao_optim.optim.lion import Lion8bit
@@ -37,6 +38,7 @@ __all__ = [
     "Muon8bit",
     "Adagrad8bit",
     "RMSprop8bit",
+    "AdEMAMix8bit",
     "adam_update",
     "convert_state_dict",
     "load_torchao_checkpoint",

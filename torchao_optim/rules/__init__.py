@@ -4,6 +4,7 @@ data (:class:`FusedRule`) for the fused kernels. Imports no optimizer and no ker
 
 from torchao_optim.rules.adagrad import ADAGRAD, ADAGRAD_COEFS, adagrad_coefficients, adagrad_update
 from torchao_optim.rules.adam import ADAM, COEFS, adam_coefficients, adam_update
+from torchao_optim.rules.ademamix import ADEMAMIX_COEFS, ademamix_coefficients, ademamix_update
 from torchao_optim.rules.base import FusedRule, finite_grad, store_param
 from torchao_optim.rules.lion import LION, LION_COEFS, lion_coefficients, lion_update
 from torchao_optim.rules.muon import MUON_COEFS, muon_coefficients, muon_momentum
@@ -32,6 +33,7 @@ __all__ = [
     "ADAGRAD_COEFS",
     "RMSPROP_COEFS",
     "RMSPROP_MOMENTUM_COEFS",
+    "ADEMAMIX_COEFS",
     "adam_coefficients",
     "adam_update",
     "sgd_coefficients",
@@ -42,6 +44,8 @@ __all__ = [
     "adagrad_update",
     "rmsprop_coefficients",
     "rmsprop_update",
+    "ademamix_coefficients",
+    "ademamix_update",
     "muon_coefficients",
     "muon_momentum",
     "finite_grad",

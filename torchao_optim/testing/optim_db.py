@@ -1,7 +1,7 @@
 """The optimizer conformance table: every optimizer, in every state format, on every executor, one set of tests.
 
 In the spirit of torch's ``OptimizerInfo``/``optim_db``: :data:`optim_db` holds one :class:`OptimizerInfo` per
-optimizer (Adam, AdamW, SGD8bit, Lion8bit, Muon8bit, Adagrad8bit, RMSprop8bit, and stock ``torch.optim``
+optimizer (Adam, AdamW, SGD8bit, Lion8bit, Muon8bit, Adagrad8bit, RMSprop8bit, AdEMAMix8bit, and stock ``torch.optim``
 optimizers through
 :func:`~torchao_optim.quantize_optimizer_state`): how to build it in a state format on an executor, its
 full-precision reference, the executors it has, the states it keeps, how its parity is measured and its
@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from torchao_optim.optim import Adagrad8bit, Adam, AdamW, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit
+from torchao_optim.optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit
 from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import Failures
@@ -39,6 +39,7 @@ __all__ = [
     "EXECUTORS",
     "ConformanceCase",
     "OptimizerInfo",
+    "ReferenceAdEMAMix",
     "ReferenceLion",
     "ReferenceMuon",
     "Sample",
@@ -79,6 +80,54 @@ class ReferenceLion(torch.optim.Optimizer):
                 update = (beta1 * m + (1 - beta1) * p.grad).sign()
                 p.mul_(1 - group["lr"] * group["weight_decay"]).add_(update, alpha=-group["lr"])
                 m.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class ReferenceAdEMAMix(torch.optim.Optimizer):
+    """AdEMAMix as the paper writes it (Pagliardini et al. 2024, Algorithm 1, with its alpha and beta3 schedulers),
+    in plain fp32, the schedules in Python floats: the tests' reference."""
+
+    def __init__(
+        self,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999, 0.9999),
+        alpha=5.0,
+        t_alpha=None,
+        t_beta3=None,
+        eps=1e-8,
+        weight_decay=1e-2,
+        maximize=False,
+    ):
+        defaults = dict(lr=lr, betas=betas, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3, eps=eps)
+        super().__init__(params, dict(defaults, weight_decay=weight_decay, maximize=maximize))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            beta1, beta2, beta3_final = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=0, m1=torch.zeros_like(p), m2=torch.zeros_like(p), nu=torch.zeros_like(p))
+                state["step"] += 1
+                t = state["step"]
+                alpha, beta3 = group["alpha"], beta3_final
+                if group["t_alpha"]:
+                    alpha = min(t * alpha / group["t_alpha"], alpha)
+                if group["t_beta3"]:
+                    s, ln1, ln3 = t / group["t_beta3"], math.log(beta1), math.log(beta3_final)
+                    beta3 = min(math.exp(ln1 * ln3 / ((1 - s) * ln3 + s * ln1)), beta3_final)
+                g = -p.grad if group["maximize"] else p.grad
+                m1, m2, nu = state["m1"], state["m2"], state["nu"]
+                m1.mul_(beta1).add_(g, alpha=1 - beta1)
+                m2.mul_(beta3).add_(g, alpha=1 - beta3)
+                nu.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                m1_hat = m1 / (1 - beta1**t)
+                nu_hat = nu / (1 - beta2**t)
+                update = (m1_hat + alpha * m2) / (nu_hat.sqrt() + group["eps"])
+                p.add_(update + group["weight_decay"] * p, alpha=-group["lr"])
 
 
 class ReferenceMuon:
@@ -308,6 +357,20 @@ optim_db: list[OptimizerInfo] = [
             Sample("centered", dict(centered=True, momentum=0.5), executors=("compiled", "eager")),
         ),
         state_keys=_rmsprop_keys,
+        parity="adamw",
+    ),
+    OptimizerInfo(
+        name="ademamix",
+        make=_ours(AdEMAMix8bit),
+        reference=lambda params, *, lr, **kw: ReferenceAdEMAMix(params, lr=lr, **kw),
+        lr=1e-2,
+        executors=("compiled", "eager"),  # three states: the per-parameter path on every device
+        samples=(
+            Sample("", dict(weight_decay=0.1)),
+            # both schedulers within the run's steps, beta3 below 0.99 so that the slow EMA moves in a few steps
+            Sample("schedulers", dict(betas=(0.9, 0.99, 0.98), alpha=3.0, t_alpha=4, t_beta3=5, maximize=True)),
+        ),
+        state_keys=lambda p, kw: ("exp_avg", "exp_avg_slow", "exp_avg_sq"),
         parity="adamw",
     ),
     # Stock optimizers keep their own step (and torch.optim's handling of a non-finite gradient); their states are

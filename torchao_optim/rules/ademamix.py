@@ -1,0 +1,98 @@
+"""AdEMAMix (Pagliardini, Ablin & Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older"): the rule's
+coefficients and its update in plain tensor code.
+
+Three states: ``exp_avg`` (the fast EMA ``m1``, signed), ``exp_avg_slow`` (the slow EMA ``m2``, signed) and
+``exp_avg_sq`` (``nu``, never negative: the unsigned codebook). Bias correction as bitsandbytes' AdEMAMix applies it:
+``m1`` and ``nu`` are corrected, ``m2`` is not (the paper's Algorithm 1 does the same). Weight decay is decoupled.
+The paper's schedulers enter as per-step coefficients: alpha warms up linearly over ``t_alpha`` steps, and beta3 rises
+from beta1 to its final value over ``t_beta3`` steps along the paper's curve, which keeps the slow EMA's half-life
+growing linearly.
+
+No fused kernel takes three states yet: the optimizer runs on the per-parameter compiled path, where non-finite
+gradient elements are skipped as by every rule (:mod:`torchao_optim.rules.base`), and so is an element whose new
+state would overflow.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchao_optim.rules.base import finite_grad, store_param
+
+__all__ = ["ADEMAMIX_COEFS", "ademamix_coefficients", "ademamix_update"]
+
+ADEMAMIX_COEFS = (
+    "lr",
+    "inv_bias_correction1",
+    "inv_bias_correction2_sqrt",
+    "alpha",
+    "one_minus_beta1",
+    "beta2",
+    "one_minus_beta2",
+    "one_minus_beta3",
+    "eps",
+    "decay",
+)
+
+
+def ademamix_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, option: bool = False) -> torch.Tensor:
+    """AdEMAMix's rows, float64 ``step.shape + (10,)`` (:data:`ADEMAMIX_COEFS`), from advanced step counts ``t``
+    (1 on the first step) and the group's ``(lr, beta1, beta2, beta3, alpha, t_alpha, t_beta3, eps,
+    weight_decay)``, where ``t_alpha`` or ``t_beta3`` 0 means no scheduler:
+
+    - ``1 / (1 - beta1**t)`` and ``1 / sqrt(1 - beta2**t)``: the bias corrections of ``m1`` and ``nu``;
+    - ``alpha(t) = min(t * alpha / t_alpha, alpha)``;
+    - ``beta3(t) = min(exp(ln(beta1) ln(beta3) / ((1 - t/t_beta3) ln(beta3) + (t/t_beta3) ln(beta1))), beta3)``,
+      beta1 at ``t = 0`` and beta3 from ``t = t_beta3`` on; its ``1 - beta3(t)`` is the column;
+    - ``1 - lr * weight_decay``: the decoupled decay factor.
+
+    AdEMAMix has no option."""
+    t = step.to(torch.float64)
+    lr, beta1, beta2, beta3, alpha, t_alpha, t_beta3, eps, weight_decay = hyperparams.unbind()
+    alpha_t = torch.where(t_alpha > 0, torch.minimum(t * alpha / t_alpha, alpha), alpha)
+    ln1, ln3 = beta1.log(), beta3.log()
+    s = t / t_beta3
+    scheduled = torch.minimum(torch.exp(ln1 * ln3 / ((1 - s) * ln3 + s * ln1)), beta3)
+    # where(): the unscheduled branch's log(0) of a beta1 = 0 never reaches the row
+    beta3_t = torch.where(t_beta3 > 0, scheduled, beta3)
+    columns = [lr, 1 / (1 - beta1**t), (1 - beta2**t).rsqrt(), alpha_t, 1 - beta1, beta2, 1 - beta2, 1 - beta3_t]
+    columns += [eps, 1 - lr * weight_decay]
+    return torch.stack(torch.broadcast_tensors(*columns), dim=-1)
+
+
+def ademamix_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_slow: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    coefs: torch.Tensor,
+    *,
+    maximize: bool,
+    round_key: torch.Tensor | None = None,
+) -> None:
+    """One AdEMAMix step on one parameter, in place, with its row of :func:`ademamix_coefficients`::
+
+        m1 = m1 + (1 - beta1) * (g - m1)
+        m2 = m2 + (1 - beta3(t)) * (g - m2)
+        nu = beta2 * nu + (1 - beta2) * g * g
+        p = p * (1 - lr * weight_decay)
+            - lr * (m1 / (1 - beta1**t) + alpha(t) * m2) / (sqrt(nu) / sqrt(1 - beta2**t) + eps)
+
+    State arithmetic in the states' dtype, the parameter's in fp32 (fp64 for fp64 parameters), as Adam's."""
+    lr, inv_bc1, inv_bc2, alpha, one_minus_beta1, beta2, one_minus_beta2, one_minus_beta3, eps, decay = coefs.unbind()
+    g, finite = finite_grad(grad, exp_avg.dtype, maximize)
+    p = param.to(torch.promote_types(param.dtype, torch.float32))
+    m1_new = exp_avg + one_minus_beta1 * (g - exp_avg)
+    m2_new = exp_avg_slow + one_minus_beta3 * (g - exp_avg_slow)
+    nu_new = exp_avg_sq * beta2 + one_minus_beta2 * g * g
+    ok = finite & torch.isfinite(m1_new) & torch.isfinite(m2_new) & torch.isfinite(nu_new)
+    m1 = torch.where(ok, m1_new, exp_avg)
+    m2 = torch.where(ok, m2_new, exp_avg_slow)
+    nu = torch.where(ok, nu_new, exp_avg_sq)
+    exp_avg.copy_(m1)
+    exp_avg_slow.copy_(m2)
+    exp_avg_sq.copy_(nu)
+    denom = nu.sqrt() * inv_bc2 + eps
+    p_new = p * decay - lr * ((m1 * inv_bc1 + alpha * m2) / denom)
+    store_param(param, torch.where(ok, p_new, p), round_key)
