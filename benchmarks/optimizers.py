@@ -18,8 +18,9 @@ edit. Names:
   ``AdamWTorchQuantized`` (the same over
   ``torch.optim.AdamW(foreach=True)``), ``Lion`` / ``Lion8bit`` (``Lion8bit(state_format="none")`` / default),
   ``Muon`` / ``Muon8bit``, ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` / ``RMSprop8bit`` (momentum 0.9; torch's
-  with ``foreach=True``), and bitsandbytes' ``SGDBnb8bit``, ``LionBnb8bit``, ``AdagradBnb8bit`` and
-  ``RMSpropBnb8bit``. A benchmark hands every
+  with ``foreach=True``), ``AdEMAMix`` / ``AdEMAMix8bit`` (``AdEMAMix8bit(state_format="none")`` / default, with
+  its own betas), and bitsandbytes' ``SGDBnb8bit``, ``LionBnb8bit``, ``AdagradBnb8bit``, ``RMSpropBnb8bit`` and
+  ``AdEMAMixBnb8bit``. A benchmark hands every
   optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
   weight decay 3x to keep ``lr * weight_decay``), Muon matches AdamW's update size
   (``adjust_lr_fn="match_rms_adamw"``), Adagrad's runs at 10x it, RMSprop's at a tenth (momentum amplifies its
@@ -215,6 +216,32 @@ def _other_rules() -> list[OptimizerEntry]:
             _scaled(lambda ps, lr, wd, c: o.RMSprop8bit(ps, lr=lr, momentum=0.9, weight_decay=wd, compile=c), 0.1),
             None,
             "dtq8",
+        ),
+        OptimizerEntry(
+            "AdEMAMix",
+            "torchao_optim.AdEMAMix8bit(state_format='none') (fp32 state)",
+            lambda ps, lr, weight_decay, betas, eps, compile: o.AdEMAMix8bit(
+                ps, lr=lr, weight_decay=weight_decay, eps=eps, state_format="none", compile=compile
+            ),
+            None,
+            "none",
+        ),
+        OptimizerEntry(
+            "AdEMAMix8bit",
+            "torchao_optim.AdEMAMix8bit",
+            lambda ps, lr, weight_decay, betas, eps, compile: o.AdEMAMix8bit(
+                ps, lr=lr, weight_decay=weight_decay, eps=eps, compile=compile
+            ),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "AdEMAMixBnb8bit",
+            "bitsandbytes.optim.AdEMAMix8bit",
+            lambda ps, lr, weight_decay, betas, eps, compile: importlib.import_module(
+                "bitsandbytes.optim"
+            ).AdEMAMix8bit(ps, lr=lr, weight_decay=weight_decay, eps=eps),
+            bnb,
         ),
         OptimizerEntry(
             "RMSpropBnb8bit",

@@ -8,7 +8,8 @@ reference), ours with 8-bit state (``dtq8``, on the fused step where it runs) an
 is the mean |p - p_ref| over all elements; the ratio is ours over bitsandbytes' (the target: at most 1.5).
 
 Settings bitsandbytes supports for each: Adagrad with ``lr_decay=0`` and no initial accumulator, RMSprop without
-momentum and not centered (its 8-bit RMSprop has neither), SGD with momentum 0.9, Lion, AdamW.
+momentum and not centered (its 8-bit RMSprop has neither), SGD with momentum 0.9, Lion, AdamW, AdEMAMix. Lion and
+AdEMAMix have no torch.optim class: ours with fp32 state is their reference.
 
     python benchmarks/rule_parity.py --seeds 0,1,2           # needs bitsandbytes (it runs on the CPU too)
 """
@@ -16,6 +17,7 @@ momentum and not centered (its 8-bit RMSprop has neither), SGD with momentum 0.9
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import statistics
@@ -37,13 +39,16 @@ RULES = {
     "sgd": (1e-2, {"momentum": 0.9}, torch.optim.SGD, torchao_optim.SGD8bit, "SGD8bit"),
     "lion": (1e-4, {}, None, torchao_optim.Lion8bit, "Lion8bit"),
     "adamw": (1e-3, {"weight_decay": 1e-2}, torch.optim.AdamW, torchao_optim.AdamW8bit, "AdamW8bit"),
+    # three states: the per-parameter path, eager here (the compiled step stores the same codes, and compiling
+    # takes about a minute on a CPU)
+    "ademamix": (1e-3, {}, None, functools.partial(torchao_optim.AdEMAMix8bit, compile=False), "AdEMAMix8bit"),
 }
 
 
 def errors(rule: str, seed: int, steps: int) -> dict[str, float]:
     """``{"ours": ..., "bitsandbytes": ...}``: each one's mean drift from the full-precision optimizer."""
     lr, options, torch_cls, ours_cls, bnb_name = RULES[rule]
-    if torch_cls is None:  # Lion has no torch.optim class: ours with fp32 state is the reference
+    if torch_cls is None:  # no torch.optim class: ours with fp32 state is the reference
         reference = lambda ps: ours_cls(ps, lr=lr, state_format="none", **options)  # noqa: E731
     else:
         reference = lambda ps: torch_cls(ps, lr=lr, foreach=False, **options)  # noqa: E731
