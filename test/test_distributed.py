@@ -52,6 +52,7 @@ from torchao_optim import (
     Adagrad8bit,
     AdamW,
     AdamW8bit,
+    AdEMAMix8bit,
     DTQ8bitTensor,
     Lion8bit,
     Muon8bit,
@@ -438,10 +439,19 @@ OPTIMIZERS = {
     "Adagrad8bit": (Adagrad8bit, {"lr_decay": 0.01}),
     # with momentum: the two-state rule (square_avg unsigned, momentum_buffer signed)
     "RMSprop8bit": (RMSprop8bit, {"momentum": 0.9}),
+    # three states: no fused kernel, every parameter on the per-parameter path (UNFUSED)
+    "AdEMAMix8bit": (AdEMAMix8bit, {"t_alpha": 2, "t_beta3": 2}),
 }
+UNFUSED = ("AdEMAMix8bit",)
 # each optimizer's state that is never negative (rank-1 scaled in "4bit_rank1"), and a signed one, where it has one
-UNSIGNED_KEY = {"AdamW": "exp_avg_sq", "Adagrad8bit": "sum", "RMSprop8bit": "square_avg"}
-SIGNED_KEY = {"AdamW": "exp_avg", "Lion8bit": "exp_avg", "Adagrad8bit": "sum", "RMSprop8bit": "momentum_buffer"}
+UNSIGNED_KEY = {"AdamW": "exp_avg_sq", "Adagrad8bit": "sum", "RMSprop8bit": "square_avg", "AdEMAMix8bit": "exp_avg_sq"}
+SIGNED_KEY = {
+    "AdamW": "exp_avg",
+    "Lion8bit": "exp_avg",
+    "Adagrad8bit": "sum",
+    "RMSprop8bit": "momentum_buffer",
+    "AdEMAMix8bit": "exp_avg_slow",
+}
 FORMATS = ("none", "dtq8", "4bit", "fp8", "4bit_rank1")
 
 
@@ -740,6 +750,9 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
     if not stepped:
         pass
+    elif case.opt in UNFUSED:  # every parameter on the per-parameter path, whatever the executor
+        if not routes or not all("per-parameter path" in line for line in routes) or ours["plans"][0] != 0:
+            problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
     elif case.executor == "fused":
         spanning = [line for line in routes if "column maxima span ranks" in line]
         fused_or_muon = ("  fused C step:", "  per-parameter path, eager") if n_muon else ("  fused C step:",)
