@@ -228,11 +228,15 @@ class Adam(LowBitOptimizer):
 
 class AdamW(Adam):
     __doc__ = (
-        "AdamW: :class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to "
-        "``1e-2``.\n"
-        + re.sub(
-            r"\n        decoupled_weight_decay \(bool, optional\):[^\n]*", "", Adam.__doc__.split("\n", 1)[1]
-        ).replace("Default: ``0``.", "Default: ``1e-2``.", 1)
+        (
+            "AdamW: :class:`Adam` with decoupled weight decay (``torch.optim.AdamW``); ``weight_decay`` defaults to "
+            "``1e-2``.\n"
+            + re.sub(
+                r"\n        decoupled_weight_decay \(bool, optional\):[^\n]*", "", Adam.__doc__.split("\n", 1)[1]
+            ).replace("Default: ``0``.", "Default: ``1e-2``.", 1)
+        )
+        if Adam.__doc__  # python -OO strips docstrings
+        else None
     )
 
     def __init__(
