@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from torchao_optim.optim.base import LowBitOptimizer
+from torchao_optim.optim.base import LowBitOptimizer, storage_args
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage
 from torchao_optim.optim.compiled_path import flat_aliases
 from torchao_optim.rules import ADAGRAD, adagrad_coefficients, adagrad_update
@@ -22,6 +22,7 @@ def _check(lr, lr_decay, weight_decay, initial_accumulator_value, eps) -> None:
     check_number("epsilon value", eps)
 
 
+@storage_args()
 class Adagrad8bit(LowBitOptimizer):
     r"""``torch.optim.Adagrad`` with its sum of squared gradients stored in a low-bit state format.
 
@@ -46,22 +47,6 @@ class Adagrad8bit(LowBitOptimizer):
             quantized sum holds it exactly. Not with ``offload_state``. Default: ``0``.
         eps (float, optional): added to the denominator. Default: ``1e-10``.
         maximize (bool, optional): maximize the objective. Default: ``False``.
-        state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
-        block_size (int, optional): elements per quantization block; ``None`` takes the format's default.
-        min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
-        compile (bool, optional): compile each per-parameter update with ``torch.compile``; falls back to eager
-            mode, with one warning, where compiling fails. Default: ``True``.
-        fused (bool, optional): update each parameter group with one multi-tensor call (the Triton kernels on
-            CUDA, the fused C step on the CPU) wherever it runs, other parameters on the compiled path; ``True``
-            raises ``RuntimeError`` where neither can run; ``False`` turns it off. Default: ``None``.
-        foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
-        capturable (bool, optional): the step can be captured in a CUDA graph; needs every parameter on the
-            fused CUDA path. Default: ``False``.
-        differentiable (bool, optional): ``True`` is refused (``ValueError``). Default: ``False``.
-        bf16_stochastic_round (bool, optional): write bf16 parameters with stochastic rounding, as
-            :class:`Adam`. Default: ``False``.
-        offload_state (bool, optional): keep GPU parameters' state in host memory, streamed through the fused
-            CUDA kernels, as :class:`Adam`. Default: ``False``.
     """
 
     STATE_KEYS = ("sum",)

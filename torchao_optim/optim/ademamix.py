@@ -8,7 +8,7 @@ import math
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from torchao_optim.optim.base import LowBitOptimizer
+from torchao_optim.optim.base import LowBitOptimizer, storage_args
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled_path import flat_aliases
 from torchao_optim.rules import ademamix_coefficients, ademamix_update
@@ -42,6 +42,13 @@ def _check(lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay) -> None:
     check_number("weight_decay value", weight_decay)
 
 
+@storage_args(
+    fused="as :class:`Adam`'s; no fused kernel runs AdEMAMix yet, so every parameter takes the compiled path "
+    "whatever its value. Default: ``None``.",
+    capturable="needs every parameter on the fused CUDA path, which AdEMAMix does not have yet: ``True`` raises "
+    "``ValueError`` at the first step. Default: ``False``.",
+    offload_state="refused (``ValueError``): offloaded state streams through the fused kernels. Default: ``False``.",
+)
 class AdEMAMix8bit(LowBitOptimizer):
     r"""AdEMAMix (Pagliardini, Ablin & Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older") with its
     three states stored in a low-bit state format; bitsandbytes' ``AdEMAMix8bit`` hyperparameters and defaults.
@@ -77,21 +84,6 @@ class AdEMAMix8bit(LowBitOptimizer):
         eps (float, optional): added to the denominator. Default: ``1e-8``.
         weight_decay (float, optional): decoupled weight decay. Default: ``1e-2``.
         maximize (bool, optional): maximize the objective. Default: ``False``.
-        state_format (str, optional): a registered format or ``"none"``. Default: ``"dtq8"``.
-        block_size (int, optional): elements per quantization block; ``None`` takes the format's default.
-        min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
-        compile (bool, optional): compile each per-parameter update with ``torch.compile``; falls back to eager
-            mode, with one warning, where compiling fails. Default: ``True``.
-        fused (bool, optional): as :class:`Adam`'s; no fused kernel runs AdEMAMix yet, so every parameter takes
-            the compiled path whatever its value. Default: ``None``.
-        foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
-        capturable (bool, optional): needs every parameter on the fused CUDA path, which AdEMAMix does not have
-            yet: ``True`` raises ``ValueError`` at the first step. Default: ``False``.
-        differentiable (bool, optional): ``True`` is refused (``ValueError``). Default: ``False``.
-        bf16_stochastic_round (bool, optional): write bf16 parameters with stochastic rounding, as
-            :class:`Adam`. Default: ``False``.
-        offload_state (bool, optional): refused (``ValueError``): offloaded state streams through the fused
-            kernels. Default: ``False``.
     """
 
     STATE_KEYS = ("exp_avg", "exp_avg_slow", "exp_avg_sq")

@@ -50,6 +50,52 @@ from torchao_optim.state import get_state_format
 __all__ = ["LowBitOptimizer", "check_number", "check_storage"]
 
 
+# The storage and executor arguments every optimizer built on LowBitOptimizer takes, documented once: the last
+# entries of its docstring's Args (:func:`storage_args`).
+_STORAGE_ARGS = {
+    "state_format": 'a registered format or ``"none"``. Default: ``"dtq8"``.',
+    "block_size": "elements per quantization block; ``None`` takes the format's default.",
+    "min_quant_size": "smaller parameters keep fp32 state. Default: ``4096``.",
+    "compile": "compile each per-parameter update with ``torch.compile``; falls back to eager mode, with one "
+    "warning, where compiling fails. Default: ``True``.",
+    "fused": "update each parameter group with one multi-tensor call (the Triton kernels on CUDA, the fused C step "
+    "on the CPU) wherever it runs, other parameters on the compiled path; ``True`` raises ``RuntimeError`` where "
+    "neither can run; ``False`` turns it off. Default: ``None``.",
+    "foreach": "accepted for torch.optim compatibility; it changes nothing. Default: ``None``.",
+    "capturable": "the step can be captured in a CUDA graph; needs every parameter on the fused CUDA path. "
+    "Default: ``False``.",
+    "differentiable": "``True`` is refused (``ValueError``). Default: ``False``.",
+    "bf16_stochastic_round": "write bf16 parameters with stochastic rounding, as :class:`Adam`. Default: ``False``.",
+    "offload_state": "keep GPU parameters' state in host memory, streamed through the fused CUDA kernels, as "
+    ":class:`Adam`. Default: ``False``.",
+}
+_STORAGE_ARG_TYPES = {"state_format": "str", "block_size": "int", "min_quant_size": "int"}
+
+
+def storage_args(**overrides: str):
+    """A class decorator that ends its docstring's Args with the storage and executor arguments, each described
+    as for every optimizer or as ``overrides`` says (an optimizer that refuses one, or takes it otherwise)."""
+
+    def document(cls):
+        if cls.__doc__ is None:  # python -OO strips docstrings
+            return cls
+        lines = []
+        for name, text in (_STORAGE_ARGS | overrides).items():
+            kind = _STORAGE_ARG_TYPES.get(name, "bool")
+            first = f"        {name} ({kind}, optional): "
+            words, line = text.split(" "), first
+            for word in words:  # wrapped at 120 columns, continuation lines indented 12
+                if len(line) + 1 + len(word) > 120 and line.strip():
+                    lines.append(line.rstrip())
+                    line = " " * 12
+                line += word + " "
+            lines.append(line.rstrip())
+        cls.__doc__ = cls.__doc__.rstrip() + "\n" + "\n".join(lines) + "\n    "
+        return cls
+
+    return document
+
+
 class LowBitOptimizer(torch.optim.Optimizer):
     """Base of the library's optimizers. A subclass sets the class attributes below and implements
     ``_check_hyperparams(group)``, ``_state_keys(group, p)``, ``_hyperparam_values(group)``,
