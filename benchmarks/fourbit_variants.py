@@ -6,6 +6,9 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 
 - ``AdamW-4bit_dyn``: format ``"4bit_dyn"``, ``exp_avg``'s codebook the 4-bit dynamic tree map (``first_moment =
   "dynamic"``, torchao's and the 4-bit paper's);
+- ``AdamW-4bit_vdyn``: format ``"4bit_vdyn"``, ``exp_avg_sq``'s codebook the unsigned 4-bit dynamic tree map with
+  ``never_zero`` (``second_moment = "dynamic"``) instead of the linear map without zero, whose smallest level,
+  1/16 of the block's absmax, overestimates every smaller value and so shrinks its update;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
   parameter for Adam's two, against 1.06);
 - ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
@@ -39,6 +42,7 @@ SMALL = 2**19
 # format name: (class name, the class attributes it changes from FourBitTensor's)
 FORMATS = {
     "4bit_dyn": ("FourBitDynamicTensor", {"first_moment": "dynamic"}),
+    "4bit_vdyn": ("FourBitDynamicSecondTensor", {"second_moment": "dynamic"}),
     "4bit_b64": ("FourBitBlock64Tensor", {"default_block_size": 64}),
 }
 

@@ -31,17 +31,20 @@ def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
     four = torchao_optim.get_state_format("4bit")
     assert four.first_moment == "quadratic" and four.default_block_size == 128  # the library's default
     layouts = {}
-    for name in ("4bit", "4bit_dyn", "4bit_b64"):
+    for name in ("4bit", "4bit_dyn", "4bit_vdyn", "4bit_b64"):
         fmt = torchao_optim.get_state_format(name)
         # each state's layout is what the fused kernels read: every variant takes them
         layouts[name] = [fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() for s in (True, False)]
         assert None not in layouts[name] and bench.has_fused_layout(name)
     (m4, v4), (md, vd), (mb, vb) = layouts["4bit"], layouts["4bit_dyn"], layouts["4bit_b64"]
     assert md.codebook == dynamic_map_values(True, 3, 4) != m4.codebook and (md.block_size, vd) == (128, v4)
+    mv, vv = layouts["4bit_vdyn"]
+    assert mv == m4 and vv.codebook == dynamic_map_values(False, 3, 4) != v4.codebook and vv.block_size == 128
+    assert vv.never_zero and not v4.never_zero  # the dynamic map has a zero level, which exp_avg_sq must not take
     assert (mb.block_size, vb.block_size) == (64, 64) and (mb.codebook, vb.codebook) == (m4.codebook, v4.codebook)
     # loading the file again registers nothing new and keeps every name
     assert bench.runpy.run_path(VARIANTS_FILE)["VARIANTS"] == variants
-    assert variants == ["AdamW-4bit_dyn", "AdamW-4bit_b64", "AdamW4bit-emb8", "AdamW4bit-small8"]
+    assert variants == ["AdamW-4bit_dyn", "AdamW-4bit_vdyn", "AdamW-4bit_b64", "AdamW4bit-emb8", "AdamW4bit-small8"]
     with pytest.raises(ValueError, match="optimizer name 'AdamW4bit' is built in"):
         bench.optimizers.register_optimizer(bench.optimizers.OptimizerEntry("AdamW4bit", "", None))
 
@@ -55,7 +58,7 @@ def test_every_variant_steps_a_gpt_on_the_fused_path(variants):
     names = {p: n for n, p in model.named_parameters()}
     x = torch.randint(0, 256, (2, 16))
     model(x, x).backward()
-    main = {"AdamW-4bit_dyn": "4bit_dyn", "AdamW-4bit_b64": "4bit_b64"}
+    main = {"AdamW-4bit_dyn": "4bit_dyn", "AdamW-4bit_vdyn": "4bit_vdyn", "AdamW-4bit_b64": "4bit_b64"}
     for name in variants:
         optimizer = bench.optimizers.build(name, model.param_groups(0.1), lr=1e-3)
         optimizer.step()

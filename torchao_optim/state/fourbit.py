@@ -14,7 +14,9 @@ After Li et al., *Memory Efficient Optimizers with 4-bit States* (NeurIPS 2023):
 (``create_dynamic_map(True, 3, 4)``: three decades, values down to 0.0055 of the absmax) that the paper and
 torchao use; ``"quadratic"`` is ``±(k / 8)**2`` for ``k`` in 1..7, plus 0 and 1.0: denser than an even grid
 near 0, with fewer levels wasted on the smallest decade. Which is the default, and why, is measured in
-``benchmarks/benchmark_parity.py`` (numbers in ``benchmarks/README.md``).
+``benchmarks/benchmark_parity.py`` (numbers in ``benchmarks/README.md``). ``second_moment`` chooses the unsigned
+one: ``"linear"`` (above) or ``"dynamic"``, the unsigned 4-bit dynamic tree map with ``never_zero`` (values down to
+0.00325 of the absmax; a nonzero value never encodes to its zero level).
 
 ``"4bit_rank1"`` is the same format with the paper's rank-1 normalization for the second moment of tensors of
 two or more dimensions: element ``(i, j)`` of the ``(rows, numel / rows)`` matrix is scaled by
@@ -61,6 +63,12 @@ def quadratic_map() -> tuple[float, ...]:
 
 
 _FIRST_MOMENT_MAPS = {"dynamic": lambda: dynamic_map_values(True, 3, 4), "quadratic": quadratic_map}
+# exp_avg_sq's codebook and whether it takes never_zero: the dynamic tree map has a zero level, which never_zero
+# keeps any nonzero value from (it encodes to the smallest nonzero level, 0.00325 of its block's absmax instead)
+_SECOND_MOMENT_MAPS = {
+    "linear": lambda: (linear_map_without_zero(4), False),
+    "dynamic": lambda: (dynamic_map_values(False, 3, 4), True),
+}
 
 
 @register_state_format("4bit")
@@ -75,6 +83,7 @@ class FourBitTensor(CodebookState):
     attr_fields = ("signed", "block_size")
     default_block_size = 128
     first_moment: ClassVar[str] = "quadratic"
+    second_moment: ClassVar[str] = "linear"
 
     @classmethod
     def _attrs(cls, signed=None, block_size=None, **attrs):
@@ -84,9 +93,15 @@ class FourBitTensor(CodebookState):
 
     @classmethod
     def layout(cls, *, signed: bool, block_size: int, **_) -> StateLayout:
-        # No zero level for exp_avg_sq, so never_zero has nothing to lift: 0 < v < absmax/32 encodes to 1/16.
-        codebook = _FIRST_MOMENT_MAPS[cls.first_moment]() if signed else linear_map_without_zero(4)
-        return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=codebook, bits=4)
+        # The linear map has no zero level for exp_avg_sq, so never_zero has nothing to lift there: 0 < v <
+        # absmax/32 encodes to 1/16.
+        if signed:
+            codebook, never_zero = _FIRST_MOMENT_MAPS[cls.first_moment](), False
+        else:
+            codebook, never_zero = _SECOND_MOMENT_MAPS[cls.second_moment]()
+        return StateLayout(
+            codes="codes", scales="absmax", block_size=block_size, codebook=codebook, bits=4, never_zero=never_zero
+        )
 
 
 @register_state_format("4bit_rank1")
