@@ -139,14 +139,17 @@ def _c_rule(rule) -> tuple:
     return (rule.c_name, len(rule.state_keys), rule.n_coefs, rule.c_source)
 
 
-BUILT_IN = tuple(_c_rule(rule) for rule in BUILT_IN_RULES if rule.c_source is not None)
+BUILT_IN = tuple(rule for rule in BUILT_IN_RULES if rule.c_source is not None)  # built together, in this order
+_BUILT_IN_KEYS = tuple(_c_rule(rule) for rule in BUILT_IN)
 
 
-def step_source(rules: tuple) -> str:
-    """The C step's source for ``rules`` (``(c_name, states, coefficients, c_source)`` each): ``cpu_step.c`` with,
-    in place of its marker line, each distinct rule source, a wrapper per rule that calls its function in the
-    table's form, and the table ``RULES`` of them, in the order of ``rules`` (a rule's index in it is its position
-    there). ``#line`` directives name where each part comes from, so that a compiler's message points at the rule."""
+def step_source(rules) -> str:
+    """The C step's source for ``rules`` (:class:`~torchao_optim.rules.FusedRule` objects with a C update):
+    ``cpu_step.c`` with, in place of its marker line, each distinct rule source, a wrapper per rule that calls its
+    function in the table's form, and the table ``RULES`` of them, in the order of ``rules`` (a rule's index in it is
+    its position there). ``#line`` directives name where each part comes from, so that a compiler's message points
+    at the rule."""
+    rules = [_c_rule(rule) for rule in rules]
     template = SOURCE.read_text()
     before, marker, after = template.partition(MARKER + "\n")
     if not marker:
@@ -221,13 +224,13 @@ def cpu_kernels() -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _rule_library(key: tuple) -> ctypes.CDLL:
-    """The library of one rule the package's library lacks (``_c_rule``), built on first use; kept for the process."""
-    return _load((key,))
+def _rule_library(rule) -> ctypes.CDLL:
+    """The library of one rule the package's library lacks, built on first use; kept for the process."""
+    return _load((rule,))
 
 
-def _load(rules: tuple) -> ctypes.CDLL:
-    """The C step for ``rules`` (``_c_rule`` each), built if the cache lacks it, loaded and set up."""
+def _load(rules) -> ctypes.CDLL:
+    """The C step for ``rules``, built if the cache lacks it, loaded and set up."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
@@ -320,10 +323,10 @@ def cpu_rule(rule) -> tuple[ctypes.CDLL, int]:
             f"one or two"
         )
     key = _c_rule(rule)
-    if key in BUILT_IN:
-        return cpu_kernels(), BUILT_IN.index(key)
+    if key in _BUILT_IN_KEYS:
+        return cpu_kernels(), _BUILT_IN_KEYS.index(key)
     try:
-        return _rule_library(key), 0
+        return _rule_library(rule), 0
     except RuntimeError as err:
         raise RuntimeError(f"the fused CPU step for rule {rule.name!r} could not be built: {err}") from err
 
