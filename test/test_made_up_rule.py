@@ -4,6 +4,10 @@ without CUDA), and both store what its plain tensor update stores, bit for bit: 
 update is run eagerly (``compile=False``), which for this rule's operations (products, sums, selects, no division or
 square root) stores what the compiled path stores, bit for bit too (the slow test: it compiles for about 30 s)."""
 
+import re
+from pathlib import Path
+
+import made_up_rule
 import pytest
 import torch
 from made_up_rule import DECAYING_MOMENTUM, DecayingMomentum8bit
@@ -81,3 +85,16 @@ def test_the_triton_kernels_run_a_rule_they_were_not_written_with(eager):
 @pytest.mark.slow  # two graphs to compile, about 30 s on 2 cores
 def test_the_compiled_path_stores_what_the_eager_update_stores(eager):
     _assert_same(_train("compiled"), eager)
+
+
+def test_the_docs_worked_example_is_this_file():
+    """docs/adding-a-rule.md shows test/made_up_rule.py in pieces (``...`` for lines it leaves out): each piece is the
+    file's text, word for word, so the page stays what the tests run."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "adding-a-rule.md").read_text()
+    source = Path(made_up_rule.__file__).read_text()
+    marker = "# Fragment: a piece of test/made_up_rule.py\n"
+    pieces = [b[len(marker) :] for b in re.findall(r"```python\n(.*?)```", page, re.S) if b.startswith(marker)]
+    assert len(pieces) >= 6
+    for piece in pieces:
+        for part in re.split(r"^ *\.\.\.\n", piece, flags=re.M):
+            assert part.strip("\n") in source, part
