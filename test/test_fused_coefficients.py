@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.rules import adam_coefficients
+from torchao_optim.rules import ADAM, adam_coefficients
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Triton (CUDA or its interpreter)")
@@ -17,8 +17,7 @@ pytestmark = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Trito
     "hp", [(1e-3, 0.9, 0.999, 1e-8, 1e-2), (0.3, 0.5, 0.95, 1e-3, 0.0), (2e-5, 0.0, 0.9999, 0.0, 0.1)]
 )
 def test_coefficients_kernel_matches_adam_coefficients(decoupled, hp):
-    from torchao_optim.rules.triton_updates import adam_coefs_kernel
-
+    adam_coefs_kernel = ADAM.triton_coefficients()
     # step counts before the launch (the kernel advances them): small, large, and up to fp32's exact integers
     steps = torch.tensor([0, 1, 2, 9, 99, 999, 12345, 99999, 1_000_000, 2**24 - 1], dtype=torch.float32, device=DEVICE)
     hyperparams = torch.tensor(hp, dtype=torch.float64, device=DEVICE)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit
-from torchao_optim.kernels.cpu import cpu_kernels_available, cpu_rule, cpu_rules
+from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.rules import ADAGRAD, ADAM, LION, RMSPROP, RMSPROP_MOMENTUM, SGD, FusedRule, sgd_coefficients
 
@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built")
 needs_triton = pytest.mark.skipif(not fused_available(DEVICE), reason="needs Triton (CUDA or its interpreter)")
 # one state, as SGD's, but a rule no kernel was built for
-MADE_UP = FusedRule("made_up", ("momentum_buffer",), (True,), ("a", "b", "c", "d"), sgd_coefficients, c_name="made_up")
+MADE_UP = FusedRule("made_up", ("momentum_buffer",), (True,), ("a", "b", "c", "d"), sgd_coefficients)
 
 
 class MadeUpSGD(SGD8bit):
@@ -33,14 +33,14 @@ class MadeUpSGD(SGD8bit):
         return dict(maximize=group["maximize"], **({self.rule.option: False} if self.rule.option else {}))
 
 
-def _step_refused(fused, rule, match):
+def _step_refused(fused, rule, match, error=NotImplementedError):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(4096, device=DEVICE)) for _ in range(2)]
     before = [p.detach().clone() for p in params]
     opt = type("Opt", (MadeUpSGD,), {"rule": rule})(params, lr=0.1, momentum=0.9, fused=fused, compile=False)
     for p in params:
         p.grad = torch.randn_like(p)
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(error, match=match):
         opt.step()
     for p, b in zip(params, before):  # refused before anything was written
         assert torch.equal(p.detach(), b)
@@ -51,26 +51,33 @@ def test_every_built_in_rule_is_in_the_c_steps_table():
     table = {name: (states, coefs) for name, states, coefs in cpu_rules()}
     for rule in (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM):
         assert table[rule.c_name] == (len(rule.state_keys), rule.n_coefs)
-        assert cpu_rules()[cpu_rule(rule)][0] == rule.c_name
+        lib, index = cpu_rule(rule)
+        assert lib is cpu_kernels() and cpu_rules()[index][0] == rule.c_name  # built once, together
 
 
 @needs_c
 @pytest.mark.skipif(DEVICE != "cpu", reason="the C step runs CPU parameters")
 @pytest.mark.parametrize(
-    "rule,match",
+    "rule,match,error",
     [
-        (MADE_UP, r"'made_up' names the C function 'made_up', which it lacks"),
-        (dataclasses.replace(MADE_UP, c_name=None), r"'made_up' declares no C function"),
-        # the name of a rule the table has, with other states: refused, not run with SGD's arithmetic
+        (MADE_UP, r"'made_up' declares no C update", NotImplementedError),
+        # the C function of a rule the package has, with other states: refused by the compiler, never run
         (
-            dataclasses.replace(MADE_UP, c_name="adam"),
-            r"'made_up' has 1 states and 4 coefficients, but .*'adam' takes 2",
+            dataclasses.replace(MADE_UP, c_source=ADAM.c_source, c_name=ADAM.c_name),
+            r"(?s)rule 'made_up' could not be built: .*too few arguments to function .adam.",
+            RuntimeError,
         ),
-        (dataclasses.replace(SGD, name="made_up", option="centered"), r"'made_up' takes the option 'centered'"),
     ],
 )
-def test_the_c_step_refuses_a_rule_it_was_not_built_for(rule, match):
-    _step_refused(None, rule, match)
+def test_the_c_step_refuses_a_rule_it_cannot_run(rule, match, error):
+    _step_refused(None, rule, match, error)
+
+
+@needs_c
+def test_the_c_step_takes_one_or_two_states():
+    rule = dataclasses.replace(RMSPROP_MOMENTUM, name="three", state_keys=("a", "b", "c"), signed=(True,) * 3)
+    with pytest.raises(NotImplementedError, match=r"rule 'three' carries 3 states \('a', 'b', 'c'\): .* one or two"):
+        cpu_rule(rule)
 
 
 @needs_triton
@@ -91,6 +98,10 @@ def test_the_triton_kernels_refuse_a_rule_they_were_not_built_for(rule, match):
 def test_a_rules_signs_match_its_states():
     with pytest.raises(ValueError, match="2 state keys"):
         FusedRule("r", ("a", "b"), (True,), ("c",), sgd_coefficients)
+    with pytest.raises(ValueError, match="c_source and c_name go together"):
+        FusedRule("r", ("a",), (True,), ("c",), sgd_coefficients, c_name="r")
+    with pytest.raises(ValueError, match="c_name must be a C identifier, got 'r r'"):
+        FusedRule("r", ("a",), (True,), ("c",), sgd_coefficients, c_source="", c_name="r r")
     params = [torch.nn.Parameter(torch.zeros(2))]
     for opt, rule in (
         (AdamW(params), ADAM),

@@ -1,13 +1,19 @@
-"""The fused step on the CPU: ``cpu_step.c``, built on first use and called through ``ctypes``.
+"""The fused step on the CPU: ``cpu_step.c`` with the rules' C updates, built on first use and called through
+``ctypes``.
 
 The C file is the CPU's twin of the Triton kernels: it reads a plan's pointer table, coefficient rows and encoder
-tables (``optim/launch.py`` calls it), knows no format, and runs the rules of its own table, which a rule names
-(``FusedRule.c_name``, looked up by :func:`cpu_rule`). It is compiled once per machine with
-the C compiler ``torch.compile`` itself needs on the CPU (``$CC``, else ``cc``, ``gcc`` or ``clang``), for the
-machine it runs on (``-march=native``), and cached under ``$TORCHAO_OPTIM_CACHE_DIR`` (default
-``~/.cache/torchao_optim``), keyed by the source, the compiler and the CPU, so a cluster sharing a home
-directory builds once per kind of CPU. A first build takes about a second; nothing is built at install. Only
-built libraries are cached: a failed build is tried again by the next process.
+tables (``optim/launch.py`` calls it) and knows no format and no rule. Each rule's element update is C source in the
+rule's own file (``FusedRule.c_source``, a function named ``c_name``): :func:`step_source` puts the sources of the
+rules a build serves into the C file, in place of its marker line, with the table the step calls them through
+(name, number of states, number of coefficients, function), and :func:`cpu_rule` finds a rule's library and index.
+The package's rules (``rules.BUILT_IN_RULES``) are built together, once; a rule from elsewhere (a user's, a test's)
+gets a library of its own on first use, so it is fused with no change here.
+
+A library is compiled with the C compiler ``torch.compile`` itself needs on the CPU (``$CC``, else ``cc``, ``gcc`` or
+``clang``), for the machine it runs on (``-march=native``), and cached under ``$TORCHAO_OPTIM_CACHE_DIR`` (default
+``~/.cache/torchao_optim``), keyed by its whole source (the C file and every rule's), the compiler and the CPU, so a
+cluster sharing a home directory builds once per kind of CPU. A first build takes about a second; nothing is built at
+install. Only built libraries are cached: a failed build is tried again by the next process.
 
 Where no compiler works, :func:`cpu_kernels` returns None (with one warning saying why) and the optimizers use
 the compiled path, as they do for everything this file does not cover.
@@ -28,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from torchao_optim.rules import BUILT_IN_RULES
+
 __all__ = [
     "cpu_kernels",
     "cpu_kernels_available",
@@ -36,9 +44,11 @@ __all__ = [
     "cpu_rules",
     "cpu_rule",
     "quantize_nearest_cpu",
+    "step_source",
 ]
 
 SOURCE = Path(__file__).with_name("cpu_step.c")
+MARKER = "/* TORCHAO_OPTIM_RULES */"  # the line of SOURCE the rules' updates and their table replace
 # -ffp-contract=off: no fused multiply-adds, so each operation rounds as the compiled path's does;
 # -fno-math-errno: sqrtf may become a vector instruction; -fno-trapping-math: the update's selects may become
 # vector blends where there are no mask registers (AVX2). Neither changes a result, only errno and FP flags.
@@ -85,19 +95,19 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchao_optim"
 
 
-def _build(compiler: str) -> Path:
-    """The shared library for this machine, compiled if the cache does not hold it yet.
+def _build(compiler: str, source: str) -> Path:
+    """The shared library of ``source`` (:func:`step_source`) for this machine, compiled if the cache does not hold it
+    yet.
 
     Only a built library is cached on disk; a failure is remembered for this process only (:func:`cpu_kernels`
     is cached, so it is never retried there). A failure may pass (a build killed midway, a full disk, a compiler
     repaired or replaced), and a marker on disk would keep every later process from trying a healthy compiler
     again; a flag set the compiler refuses for good costs a later process one failed run, which fails at once."""
-    source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     errors = []
     for extra in (NATIVE + GATHER, NATIVE, []):  # the first set the compiler takes
         digest = hashlib.sha256(
-            b"\0".join([source, version.encode(), " ".join(FLAGS + extra).encode(), _cpu_signature().encode()])
+            b"\0".join([source.encode(), version.encode(), " ".join(FLAGS + extra).encode(), _cpu_signature().encode()])
         ).hexdigest()[:16]
         target = _cache_dir() / f"cpu_step_{digest}.so"
         if target.exists():
@@ -107,9 +117,12 @@ def _build(compiler: str) -> Path:
         # never leaves a partial file under the name that is loaded
         fd, tmp = tempfile.mkstemp(prefix=f"{target.stem}.", suffix=".tmp", dir=target.parent)
         os.close(fd)
-        try:
+        try:  # the source from standard input: its #line directives name the files its parts come from
             run = subprocess.run(
-                [compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True
+                [compiler, *FLAGS, *extra, "-x", "c", "-", "-o", tmp, "-lm"],
+                input=source,
+                capture_output=True,
+                text=True,
             )
             if run.returncode == 0:
                 os.replace(tmp, target)
@@ -117,8 +130,52 @@ def _build(compiler: str) -> Path:
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        errors.append(run.stderr.strip()[-500:] or f"exit status {run.returncode}")
+        errors.append(run.stderr.strip()[-1500:] or f"exit status {run.returncode}")
     raise RuntimeError(f"{compiler} could not build {SOURCE.name}: {errors[-1]}")
+
+
+def _c_rule(rule) -> tuple:
+    """What the C step's build takes of a rule: ``(c_name, number of states, number of coefficients, c_source)``."""
+    return (rule.c_name, len(rule.state_keys), rule.n_coefs, rule.c_source)
+
+
+BUILT_IN = tuple(rule for rule in BUILT_IN_RULES if rule.c_source is not None)  # built together, in this order
+_BUILT_IN_KEYS = tuple(_c_rule(rule) for rule in BUILT_IN)
+
+
+def step_source(rules) -> str:
+    """The C step's source for ``rules`` (:class:`~torchao_optim.rules.FusedRule` objects with a C update):
+    ``cpu_step.c`` with, in place of its marker line, each distinct rule source, a wrapper per rule that calls its
+    function in the table's form, and the table ``RULES`` of them, in the order of ``rules`` (a rule's index in it is
+    its position there). ``#line`` directives name where each part comes from, so that a compiler's message points
+    at the rule."""
+    rules = [_c_rule(rule) for rule in rules]
+    template = SOURCE.read_text()
+    before, marker, after = template.partition(MARKER + "\n")
+    if not marker:
+        raise RuntimeError(f"{SOURCE.name} has no line {MARKER!r}")
+    parts = ['#line 1 "cpu_step.c"\n', before]
+    sources: dict[str, str] = {}  # each distinct source once (rules may share one), named by its first rule
+    for name, _, _, source in rules:
+        sources.setdefault(source, name)
+    for source, name in sources.items():
+        parts.append(f'#line 1 "{name} (FusedRule.c_source)"\n{source.strip()}\n')
+    parts.append('#line 1 "kernels/cpu.py: the table of rules"\n')
+    for i, (name, n_states, _, _) in enumerate(rules):
+        states = "s0" if n_states == 1 else "s0, s1"
+        parts.append(
+            f"static void rule_{i}(const Job *job, float *p, const float *g, float *s0, float *s1, int n, "
+            f"const float *c) {{\n    (void)s1;\n    {name}(p, g, {states}, n, c, job->option);\n}}\n"
+        )
+    entries = "".join(
+        f'    {{"{name}", {n_states}, {n_coefs}, rule_{i}}},\n' for i, (name, n_states, n_coefs, _) in enumerate(rules)
+    )
+    parts.append(
+        "static const struct {\n    const char *name;\n    int n_states, n_coefs;\n    update_fn update;\n} "
+        f"RULES[] = {{\n{entries}}};\n"
+    )
+    parts += [f'#line {before.count(chr(10)) + 2} "cpu_step.c"\n', after]
+    return "".join(parts)
 
 
 _failure: str | None = None  # why the step could not be built, once cpu_kernels() has tried
@@ -150,12 +207,10 @@ def _compiler_version(compiler: str | None) -> str | None:
 
 @functools.cache
 def cpu_kernels() -> ctypes.CDLL | None:
-    """The loaded library, built on first call; None (after one warning) where it cannot be built."""
-    compiler = _compiler()
+    """The library of the package's rules, loaded (built on first call); None (after one warning) where it cannot be
+    built."""
     try:
-        if compiler is None:
-            raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-        lib = ctypes.CDLL(str(_build(compiler)))
+        return _load(BUILT_IN)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
         global _failure
         _failure = f"{type(err).__name__}: {err}"
@@ -166,9 +221,23 @@ def cpu_kernels() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
+
+
+@functools.cache
+def _rule_library(rule) -> ctypes.CDLL:
+    """The library of one rule the package's library lacks, built on first use; kept for the process."""
+    return _load((rule,))
+
+
+def _load(rules) -> ctypes.CDLL:
+    """The C step for ``rules``, built if the cache lacks it, loaded and set up."""
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
+    lib = ctypes.CDLL(str(_build(compiler, step_source(rules))))
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * 2 + [i32] * 11 + [i64]
+    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * 2 + [i32] * 10 + [i64]
     fn.restype = i32
     lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.torchao_optim_cpu_encode.restype = None
@@ -216,8 +285,8 @@ def cpu_dtypes() -> dict:
 
 
 def cpu_rules() -> tuple:
-    """The rules the built step implements, in the order of its table (``cpu_step.c``, ``RULES``): ``(name,
-    number of states, number of coefficients)`` each; empty where the step could not be built."""
+    """The rules the package's library implements, in the order of its table: ``(name, number of states, number of
+    coefficients)`` each; empty where the step could not be built."""
     lib = cpu_kernels()
     return () if lib is None else _rule_table(lib)
 
@@ -238,37 +307,28 @@ def _rule_table(lib: ctypes.CDLL) -> tuple:
     )
 
 
-def cpu_rule(rule) -> int:
-    """The index of ``rule`` (a :class:`~torchao_optim.rules.FusedRule`) in the C step's table of rules, looked up
-    by the name it declares (``c_name``); raises NotImplementedError, naming the rule and what the table lacks,
-    where the step has no such rule or one with other states or coefficients."""
-    return _rule_index(cpu_kernels(), rule)
-
-
-@functools.cache
-def _rule_index(lib: ctypes.CDLL | None, rule) -> int:
-    table = _rule_table(lib) if lib is not None else ()
-    names = [name for name, _, _ in table]
-    if rule.c_name is None or rule.c_name not in names:
-        what = (
-            "declares no C function (FusedRule.c_name)"
-            if rule.c_name is None
-            else (f"names the C function {rule.c_name!r}, which it lacks")
-        )
+def cpu_rule(rule) -> tuple[ctypes.CDLL, int]:
+    """``(library, index)``: the C step that runs ``rule`` (a :class:`~torchao_optim.rules.FusedRule`) and the
+    rule's index in its table: the package's library for a package rule, else one built with the rule's C source
+    (on first use; a compiler's error raises RuntimeError naming the rule). Raises NotImplementedError, naming the
+    rule, for one without a C update or with other than one or two states."""
+    if rule.c_source is None:
         raise NotImplementedError(
-            f"the fused CPU step implements the rules {names} ({SOURCE.name}, RULES); rule "
-            f"{rule.name!r} {what}: add its update there, or leave its parameters to the "
-            f"compiled path (fused=False)"
+            f"rule {rule.name!r} declares no C update (FusedRule.c_source): the fused CPU step cannot run it; "
+            f"give it one (docs/adding-a-rule.md), or leave its parameters to the compiled path (fused=False)"
         )
-    index = names.index(rule.c_name)
-    _, n_states, n_coefs = table[index]
-    if (n_states, n_coefs) != (len(rule.state_keys), rule.n_coefs):
+    if len(rule.state_keys) not in (1, 2):
         raise NotImplementedError(
-            f"rule {rule.name!r} has {len(rule.state_keys)} states and {rule.n_coefs} "
-            f"coefficients, but the fused CPU step's {rule.c_name!r} takes {n_states} and "
-            f"{n_coefs}"
+            f"rule {rule.name!r} carries {len(rule.state_keys)} states {rule.state_keys}: the fused CPU step takes "
+            f"one or two"
         )
-    return index
+    key = _c_rule(rule)
+    if key in _BUILT_IN_KEYS:
+        return cpu_kernels(), _BUILT_IN_KEYS.index(key)
+    try:
+        return _rule_library(rule), 0
+    except RuntimeError as err:
+        raise RuntimeError(f"the fused CPU step for rule {rule.name!r} could not be built: {err}") from err
 
 
 def quantize_nearest_cpu(y: torch.Tensor, codebook, never_zero: bool = False, compact: bool = True) -> torch.Tensor:

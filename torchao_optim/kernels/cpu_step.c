@@ -10,9 +10,11 @@
  * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
  * store a converted parameter back; take each state's absmax and encode it. Every pass is a plain loop the
  * compiler vectorizes (the decode and the encoder's table loads become gathers); the encoder's first table
- * comes from vector registers where the codebook allows (AVX-512). The arithmetic is the rules' (rules/*.py),
- * operation for operation, and the build turns off floating-point contraction, so no multiply-add rounds
- * differently from the compiled path.
+ * comes from vector registers where the codebook allows (AVX-512). It knows no rule either: each rule's update is
+ * C source in the rule's file (rules/<name>.py, FusedRule.c_source), its plain tensor update operation for
+ * operation, which kernels/cpu.py puts in at the marker line below ("the update rules") with the table the step
+ * calls it through; the build turns off floating-point contraction, so no multiply-add rounds differently from
+ * the compiled path.
  *
  * Built on first use with the C compiler torch.compile needs on the CPU anyway (kernels/cpu.py); no build
  * step at install.
@@ -289,117 +291,6 @@ static void encode_store(const float *restrict x, int64_t codes, int64_t scales,
     ((float *)scales)[blk] = absmax;
 }
 
-/* ---- the update rules: rules/adam.py's, sgd.py's, lion.py's, adagrad.py's and rmsprop.py's arithmetic, in the
-   same order ---- */
-NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
-                 const float *c, int decoupled) {
-    const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        float p_decayed = pi;
-        if (decoupled) p_decayed = pi * wd;
-        else g = g + wd * pi;
-        float m_new = m[i] + omb1 * (g - m[i]);
-        float v_new = v[i] * beta2 + omb2 * g * g;
-        int ok = fin & is_finite(m_new) & is_finite(v_new);
-        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
-        m[i] = mi;
-        v[i] = vi;
-        float denom = sqrtf(vi) * inv_bc2 + eps;
-        float p_new = p_decayed - step_size * (mi / denom);
-        p[i] = ok ? p_new : pi;
-    }
-}
-
-/* nesterov is a constant in each call (sgd below): a branch on it inside the loop would stop the vectorizer */
-static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, const float *restrict g_in,
-                                                          float *restrict s, int n, const float *c, int nesterov) {
-    const float lr = c[0], wd = c[1], momentum = c[2], grad_coef = c[3];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float s_new = s[i] * momentum + grad_coef * g;
-        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
-        float si = ok ? s_new : s[i];
-        s[i] = si;
-        float d = nesterov ? g + momentum * si : si;
-        p[i] = ok ? pi - lr * d : pi;
-    }
-}
-
-NOINLINE static void sgd(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
-                         int nesterov) {
-    if (nesterov) sgd_loop(p, g_in, s, n, c, 1);
-    else sgd_loop(p, g_in, s, n, c, 0);
-}
-
-NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
-    const float lr = c[0], wd_factor = c[1], omb1 = c[2], omb2 = c[3];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        float interp = s[i] + omb1 * (g - s[i]);
-        float s_new = s[i] + omb2 * (g - s[i]);
-        int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects, where & would branch */
-        s[i] = ok ? s_new : s[i];
-        float sign = interp > 0.0f ? 1.0f : 0.0f;
-        sign = interp < 0.0f ? -1.0f : sign;
-        p[i] = ok ? pi * wd_factor - lr * sign : pi;
-    }
-}
-
-NOINLINE static void adagrad(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
-    const float clr = c[0], wd = c[1], eps = c[2];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float s_new = s[i] + g * g;
-        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
-        float si = ok ? s_new : s[i];
-        s[i] = si;
-        p[i] = ok ? pi - clr * g / (sqrtf(si) + eps) : pi;
-    }
-}
-
-NOINLINE static void rmsprop(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c) {
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float s_new = s[i] + oma * (g * g - s[i]);
-        int ok = is_finite(s_new) ? fin : 0;
-        float p_new = pi - lr * g / (sqrtf(s_new) + eps);
-        s[i] = ok ? s_new : s[i];
-        p[i] = ok ? p_new : pi;
-    }
-}
-
-NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
-                                      float *restrict b, int n, const float *c) {
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float v_new = v[i] + oma * (g * g - v[i]);
-        float b_new = b[i] * momentum + g / (sqrtf(v_new) + eps);
-        int ok = is_finite(v_new) ? (is_finite(b_new) ? fin : 0) : 0;
-        v[i] = ok ? v_new : v[i];
-        b[i] = ok ? b_new : b[i];
-        p[i] = ok ? pi - lr * b_new : pi;
-    }
-}
-
 typedef struct {
     int64_t n_tensors;
     const int64_t *ptrs;       /* (n, 1 + 2 * n_states): param, then (codes or values, scales) per state */
@@ -411,47 +302,21 @@ typedef struct {
     const float *values[2];    /* per state: the codebook (decode table) */
     int kinds[2];
     int n_states, n_coefs, block, rule, param_dtype, grad_dtype;
-    int decoupled, maximize, nesterov, sr;
+    int option, maximize, sr;  /* option: the rule's (FusedRule.option), passed to its update */
     const int64_t *first_block; /* (n + 1,): prefix sums of blocks per tensor */
     Encoder encoders[2];        /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
 } Job;
 
-/* ---- the rules this file implements, by name ------------------------------------------------------------
-   A rule (rules/base.py's FusedRule) names its update here (c_name); kernels/cpu.py looks the name up in this
-   table, through the exports below, and passes its index: a rule missing here is refused by name there, never run
-   with another's arithmetic. Each entry reads the job's settings it takes (Adam: decoupled, SGD: nesterov). */
+/* ---- the update rules ---------------------------------------------------------------------------------
+   Not written here: each rule's file (rules/<name>.py) holds its element update as C source (FusedRule.c_source),
+   and kernels/cpu.py builds this file with the sources of the rules it serves in place of the marker line below,
+   each followed by a wrapper of the form update_fn, and the table RULES of them: {name, number of states, number of
+   coefficients, wrapper}. The launch passes a rule's index in that table; the step checks its states and
+   coefficients against it. A rule's update takes fp32 arrays of n elements and updates them in place: one state,
+   (p, g, s, n, c, option); two, (p, g, m, v, n, c, option); c is the tensor's row of coefficients, option the
+   rule's one setting. It may use NOINLINE and is_finite above. */
 typedef void (*update_fn)(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c);
-static void adam_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
-    adam(p, g, s0, s1, n, c, job->decoupled);
-}
-static void sgd_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
-    (void)s1;
-    sgd(p, g, s0, n, c, job->nesterov);
-}
-static void lion_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
-    (void)job, (void)s1;
-    lion(p, g, s0, n, c);
-}
-static void adagrad_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
-    (void)job, (void)s1;
-    adagrad(p, g, s0, n, c);
-}
-static void rmsprop_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c) {
-    (void)job, (void)s1;
-    rmsprop(p, g, s0, n, c);
-}
-static void rmsprop_momentum_rule(const Job *job, float *p, const float *g, float *s0, float *s1, int n,
-                                  const float *c) {
-    (void)job;
-    rmsprop_momentum(p, g, s0, s1, n, c);
-}
-static const struct {
-    const char *name;
-    int n_states, n_coefs;
-    update_fn update;
-} RULES[] = {{"adam", 2, 7, adam_rule},       {"sgd", 1, 4, sgd_rule},         {"lion", 1, 4, lion_rule},
-             {"adagrad", 1, 4, adagrad_rule}, {"rmsprop", 1, 4, rmsprop_rule},
-             {"rmsprop_momentum", 2, 7, rmsprop_momentum_rule}};
+/* TORCHAO_OPTIM_RULES */
 #define N_RULES ((int)(sizeof(RULES) / sizeof(RULES[0])))
 
 int torchao_optim_cpu_rule_count(void) { return N_RULES; }
@@ -540,7 +405,7 @@ int torchao_optim_cpu_step(
     const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0,
     const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1,
     int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
-    int decoupled, int maximize, int nesterov, int sr, int n_threads, int64_t min_blocks_per_thread) {
+    int option, int maximize, int sr, int n_threads, int64_t min_blocks_per_thread) {
     if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
     if (rule < 0 || rule >= N_RULES || RULES[rule].n_states != n_states || RULES[rule].n_coefs != n_coefs) return -3;
     int64_t *first_block = (int64_t *)malloc((size_t)(n_tensors + 1) * sizeof(int64_t));
@@ -550,7 +415,7 @@ int torchao_optim_cpu_step(
     int64_t total = first_block[n_tensors];
     Job job = {n_tensors, ptrs, grad_ptrs, numels, coefs, steps, round_info,
                {values0, values1}, {kind0, kind1},
-               n_states, n_coefs, block, rule, param_dtype, grad_dtype, decoupled, maximize, nesterov, sr,
+               n_states, n_coefs, block, rule, param_dtype, grad_dtype, option, maximize, sr,
                first_block};
     make_encoder(&job.encoders[0], level1_0, level2_0);
     make_encoder(&job.encoders[1], level1_1, level2_1);

@@ -12,9 +12,9 @@ keeps memory requests in flight while it decodes, updates and encodes. How a sta
 ``triton_codec``'s, specialized by constexpr: the kernel knows no format.
 
 The arithmetic is the rule's: its element update, a ``@triton.jit`` function the kernel takes as the constexpr
-``UPDATE`` (``FusedRule.triton_update``; Adam's is ``rules.triton_updates.adam_tile_update``), inlined where it is
-called, with the rule's setting ``OPTION`` (Adam's: decoupled weight decay). The coefficient rows it reads are the
-rule's, written before the launch (Adam's by ``rules.triton_updates.adam_coefs_kernel``, in one small launch).
+``UPDATE`` (``FusedRule.triton_update``, written in the rule's file: Adam's is ``rules.adam.adam_tile_update``),
+inlined where it is called, with the rule's setting ``OPTION`` (Adam's: decoupled weight decay). The coefficient rows
+it reads are the rule's, written before the launch (Adam's by ``rules.adam.adam_coefs_kernel``, in one small launch).
 This module imports Triton; import it only where Triton is available.
 """
 

@@ -8,10 +8,10 @@ reads and writes everything once. Reading and writing the state is ``triton_code
 format.
 
 The arithmetic is the rule's: its element update, a ``@triton.jit`` function the kernel takes as the constexpr
-``UPDATE`` (``FusedRule.triton_update``: ``rules.triton_updates.sgd_tile_update``, ``lion_tile_update``), inlined
-where it is called, with the rule's setting ``OPTION`` (SGD's: nesterov) and the tensor's row of the rule's
-coefficients, read from a device table (a tensor lr needs no host sync). This module imports Triton; import it
-only where Triton is available.
+``UPDATE`` (``FusedRule.triton_update``, written in the rule's file: ``rules.sgd.sgd_tile_update``,
+``rules.lion.lion_tile_update``, ...), inlined where it is called, with the rule's setting ``OPTION`` (SGD's:
+nesterov) and the tensor's row of the rule's coefficients, read from a device table (a tensor lr needs no host
+sync). This module imports Triton; import it only where Triton is available.
 """
 
 from __future__ import annotations

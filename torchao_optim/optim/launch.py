@@ -2,7 +2,7 @@
 
 A plan is data: pointer tables, sizes, the program map, its layouts' tables and flags. Its rule
 (:class:`~torchao_optim.rules.FusedRule`) says the rest: its number of states (which kernel family runs it), its
-element update in each family's form, its coefficients and its name in the C step. Three launches:
+element update in each family's form (Triton's, C's) and its coefficients. Three launches:
 
 - Triton, two states (Adam, RMSprop with momentum): Adam's coefficients kernel advances the step counts and writes
   the coefficient rows (one launch for every plan of a group on a device, made by the first plan's:
@@ -11,26 +11,23 @@ element update in each family's form, its coefficients and its name in the C ste
 - Triton, one state (SGD, Lion, Adagrad, RMSprop): the step counts advance and the rule's coefficient function
   writes the rows (a few small torch launches), then ``momentum_kernel`` with the rule's element update.
 - CPU: each state's own step count advances, the rule's coefficient function writes the rows, then one call of
-  the C step (``kernels/cpu_step.c``) runs the rule's C function, found in its table by the rule's ``c_name``.
+  the C step (``kernels/cpu_step.c``, built with the rule's C update: ``kernels.cpu.cpu_rule``) runs it.
 
 A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
-from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, cpu_kernels, cpu_rule
+from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, cpu_rule
 from torchao_optim.state.layout import PLAIN_FP32
 
 __all__ = ["run"]
 
 MIN_BLOCKS_PER_THREAD = 64  # CPU: a thread is worth starting for at least this many blocks (16K elements at 256)
-C_SETTINGS = ("decoupled", "nesterov")  # the settings the C step takes, by name (its arguments)
 
 
 def run(plan, hyperparams: Tensor, maximize: bool = False, stochastic_round: bool = False, **options) -> None:
@@ -57,7 +54,7 @@ def _triton_update(rule, n_states: int, n_coefs: int):
     if rule.triton_update is None:
         raise NotImplementedError(
             f"rule {rule.name!r} declares no Triton element update (FusedRule.triton_update): "
-            f"the fused Triton kernels cannot run it; give it one (rules/triton_updates.py), "
+            f"the fused Triton kernels cannot run it; give it one (docs/adding-a-rule.md), "
             f"or leave its parameters to the compiled path (fused=False)"
         )
     if rule.n_coefs != n_coefs:
@@ -169,24 +166,11 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
     )
 
 
-def _c_settings(rule, option: bool) -> dict[str, Any]:
-    """The C step's settings (:data:`C_SETTINGS`): the rule's option under its name, the others off."""
-    settings = dict.fromkeys(C_SETTINGS, False)
-    if rule.option is not None:
-        if rule.option not in settings:
-            raise NotImplementedError(
-                f"rule {rule.name!r} takes the option {rule.option!r}, which the fused CPU "
-                f"step does not (it takes {list(C_SETTINGS)})"
-            )
-        settings[rule.option] = option
-    return settings
-
-
 def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
     """The step counts advance, the rule's coefficient function writes the rows (as the compiled path computes
     them), then one call of the C step updates every tensor."""
     rule = plan.rule
-    index, settings = cpu_rule(rule), _c_settings(rule, option)
+    lib, index = cpu_rule(rule)
     steps = [s["step"] for s in plan.states]  # each state's own counter (GroupPlan says why)
     torch._foreach_add_(steps, 1)
     plan.steps = torch.stack(steps).to(torch.float32)
@@ -199,7 +183,7 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
             args.append(KINDS[layout.bits])
         else:
             args += [None, None, None, KINDS[PLAIN_FP32.bits]]
-    status = cpu_kernels().torchao_optim_cpu_step(
+    status = lib.torchao_optim_cpu_step(
         len(plan.params),
         plan.ptrs.data_ptr(),
         plan.grad_ptrs.data_ptr(),
@@ -214,9 +198,8 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
         index,
         CPU_DTYPES[plan.torch_param_dtype],
         CPU_DTYPES[plan.torch_grad_dtype],
-        settings["decoupled"],
+        option,
         maximize,
-        settings["nesterov"],
         plan.rounds(stochastic_round),
         torch.get_num_threads(),
         MIN_BLOCKS_PER_THREAD * 256 // plan.block,

@@ -1,11 +1,12 @@
-"""Update rules: each written once in plain tensor code that does not know the state's format, and described as
-data (:class:`FusedRule`) for the fused kernels. Imports no optimizer and no kernel; Triton only in
-``triton_updates.py``, which a rule's ``triton_update`` imports when a Triton kernel first needs it."""
+"""Update rules, one file each: its plain tensor update, which does not know the state's format, its per-step
+coefficients, and the rule as the fused kernels take it (:class:`FusedRule`), with its element update in Triton's
+language (made a ``@triton.jit`` function when a Triton kernel first asks for it: importing a rule imports no
+Triton) and in C (source text the C step is built with). Imports no optimizer and no kernel."""
 
 from torchao_optim.rules.adagrad import ADAGRAD, ADAGRAD_COEFS, adagrad_coefficients, adagrad_update
 from torchao_optim.rules.adam import ADAM, COEFS, adam_coefficients, adam_update
 from torchao_optim.rules.ademamix import ADEMAMIX_COEFS, ademamix_coefficients, ademamix_update
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
 from torchao_optim.rules.lion import LION, LION_COEFS, lion_coefficients, lion_update
 from torchao_optim.rules.muon import MUON_COEFS, muon_coefficients, muon_momentum
 from torchao_optim.rules.rmsprop import (
@@ -18,8 +19,13 @@ from torchao_optim.rules.rmsprop import (
 )
 from torchao_optim.rules.sgd import SGD, SGD_COEFS, sgd_coefficients, sgd_update
 
+# The package's fused rules: the C step is built with theirs once (kernels/cpu.py); another rule gets a build of its
+# own on first use.
+BUILT_IN_RULES = (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM)
+
 __all__ = [
     "FusedRule",
+    "BUILT_IN_RULES",
     "ADAM",
     "SGD",
     "LION",
@@ -50,4 +56,6 @@ __all__ = [
     "muon_momentum",
     "finite_grad",
     "store_param",
+    "sqrt_rn",
+    "triton_jit",
 ]

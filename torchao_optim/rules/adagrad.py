@@ -1,5 +1,6 @@
 """Adagrad (Duchi et al. 2011; ``torch.optim.Adagrad``): the rule's coefficients, its update in plain tensor code,
-and :data:`ADAGRAD`, the rule as the fused kernels take it.
+and :data:`ADAGRAD`, the rule as the fused kernels take it: with the same update in Triton's language
+(``adagrad_tile_update``) and in C.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the state (``sum``, never negative: the unsigned
 codebook) may be plain or any format, non-finite gradient elements are skipped (parameter and state keep their
@@ -8,11 +9,14 @@ values), and so is an element whose new sum would overflow.
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
 
 __all__ = ["ADAGRAD", "ADAGRAD_COEFS", "adagrad_coefficients", "adagrad_update"]
 
@@ -54,13 +58,48 @@ def adagrad_update(
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 
-@functools.cache  # imported once: a launch asks for it every step
-def _triton_update():
-    from torchao_optim.rules.triton_updates import adagrad_tile_update
+def adagrad_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.adagrad.adagrad_update` on a tile (``s``: ``sum``; no option): returns ``(p, s)``.
+    The square root and the division round correctly (``sqrt_rn``, ``/``), as the compiled path's do."""
+    clr, wd, eps, _ = coefs
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    s_new = s + g * g
+    ok = finite & (tl.abs(s_new) < float("inf"))
+    s = tl.where(ok, s_new, s)
+    p = tl.where(ok, p - clr * g / (tl.sqrt_rn(s) + eps), p)
+    return p, s
 
-    return adagrad_tile_update
+
+# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+NOINLINE static void adagrad(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+                             int option) {
+    (void)option; /* no option */
+    const float clr = c[0], wd = c[1], eps = c[2];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] + g * g;
+        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        float si = ok ? s_new : s[i];
+        s[i] = si;
+        p[i] = ok ? pi - clr * g / (sqrtf(si) + eps) : pi;
+    }
+}
+"""
 
 
 ADAGRAD = FusedRule(
-    "adagrad", ("sum",), (False,), ADAGRAD_COEFS, adagrad_coefficients, triton_update=_triton_update, c_name="adagrad"
+    "adagrad",
+    ("sum",),
+    (False,),
+    ADAGRAD_COEFS,
+    adagrad_coefficients,
+    triton_update=triton_jit(adagrad_tile_update),
+    c_source=_C_UPDATE,
+    c_name="adagrad",
 )

@@ -1,5 +1,6 @@
 """Adam and AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019): the rule's coefficients, its update in plain tensor
-code that does not know the state's format, and :data:`ADAM`, the rule as the fused kernels take it.
+code that does not know the state's format, and :data:`ADAM`, the rule as the fused kernels take it: with the same
+update in Triton's language (``adam_tile_update``, and Adam's coefficients kernel) and in C.
 
 The states may be plain fp32 tensors or any :class:`~torchao_optim.state.QuantizedState`: reading one
 (``lerp``, ``mul``, ``where``) dequantizes it, ``copy_`` into it requantizes. Under ``torch.compile`` the
@@ -10,11 +11,15 @@ non-finite gradient element is (:mod:`torchao_optim.rules.base`).
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents
 
 __all__ = ["ADAM", "COEFS", "adam_coefficients", "adam_update"]
 
@@ -96,18 +101,107 @@ def adam_update(
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 
-@functools.cache  # imported once: a launch asks for it every step
-def _triton_update():
-    from torchao_optim.rules.triton_updates import adam_tile_update
+def adam_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.adam.adam_update` on a tile: returns ``(p, m, v)``."""
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
+    if DECOUPLED:
+        p_decayed = p * wd
+    else:
+        g = g + wd * p
+        p_decayed = p
+    m_new = m + one_minus_beta1 * (g - m)
+    v_new = v * beta2 + one_minus_beta2 * g * g
+    # Skipped, as adam_update skips them: a non-finite gradient element, and an element whose new moment
+    # overflows. One test finds both: for a gradient element of +-inf or NaN, ((1 - beta2) * g) * g is +inf or
+    # NaN whatever beta2 is, and so is v_new (NaN is not < inf). The skipped elements' m_new, v_new and
+    # parameter are computed from the unsanitized gradient and thrown away.
+    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    m = tl.where(ok, m_new, m)
+    v = tl.where(ok, v_new, v)
+    # fast sqrt and division: the parameter may differ from the compiled path by an ulp or two of its update;
+    # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
+    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19; eps is 0 or normal, as Adam checks), where
+    # the reciprocal that flushes subnormals flushes nothing: it is within one ulp, m * (1 / denom) within two,
+    # with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
+    denom = tl.sqrt(v) * inv_bc2 + eps
+    if PTX:
+        ratio = m * tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        ratio = tl.fdiv(m, denom)
+    p = tl.where(ok, p_decayed - step_size * ratio, p)
+    return p, m, v
 
-    return adam_tile_update
+
+def _pow(base, t):
+    """``base ** t`` in fp64 for integer-valued ``t`` in [0, 2**32), by squaring: within a few fp64 ulps."""
+    e = t.to(tl.int64)
+    result = tl.full(t.shape, 1.0, tl.float64)
+    b = tl.full(t.shape, 1.0, tl.float64) * base
+    for _ in tl.static_range(32):
+        result = tl.where((e & 1) != 0, result * b, result)
+        b = b * b
+        e = e >> 1
+    return result
 
 
-@functools.cache
-def _triton_coefficients():
-    from torchao_optim.rules.triton_updates import adam_coefs_kernel
+def adam_coefs_kernel(
+    steps, hyperparams, coefs, n, DECOUPLED: tl.constexpr, N_POW2: tl.constexpr, PDL: tl.constexpr = False
+):
+    """``steps += 1`` and ``coefs = adam_coefficients(steps, hyperparams, DECOUPLED)`` in fp32, for ``n`` tensors
+    (one program). ``hyperparams``: fp64 (lr, beta1, beta2, eps, weight_decay). ``PDL``: the update kernel that
+    follows may start now (programmatic dependent launch); it waits for these results where it reads them."""
+    if PDL:
+        gdc_launch_dependents()
+    i = tl.arange(0, N_POW2)
+    mask = i < n
+    step = tl.load(steps + i, mask=mask, other=0.0) + 1.0
+    tl.store(steps + i, step, mask=mask)
+    t = step.to(tl.float64)
+    lr, beta1, beta2 = tl.load(hyperparams + 0), tl.load(hyperparams + 1), tl.load(hyperparams + 2)
+    eps, weight_decay = tl.load(hyperparams + 3), tl.load(hyperparams + 4)
+    if DECOUPLED:
+        wd = 1.0 - lr * weight_decay
+    else:
+        wd = weight_decay
+    step_size = lr / (1.0 - _pow(beta1, t))
+    inv_bc2 = 1.0 / tl.sqrt(1.0 - _pow(beta2, t))  # fp64 sqrt is correctly rounded
+    row = coefs + i * 7
+    zero = tl.zeros(t.shape, tl.float64)
+    tl.store(row + 0, step_size.to(tl.float32), mask=mask)
+    tl.store(row + 1, inv_bc2.to(tl.float32), mask=mask)
+    tl.store(row + 2, (zero + wd).to(tl.float32), mask=mask)
+    tl.store(row + 3, (zero + (1.0 - beta1)).to(tl.float32), mask=mask)
+    tl.store(row + 4, (zero + beta2).to(tl.float32), mask=mask)
+    tl.store(row + 5, (zero + (1.0 - beta2)).to(tl.float32), mask=mask)
+    tl.store(row + 6, (zero + eps).to(tl.float32), mask=mask)
 
-    return adam_coefs_kernel
+
+# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
+                          const float *c, int decoupled) {
+    const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float p_decayed = pi;
+        if (decoupled) p_decayed = pi * wd;
+        else g = g + wd * pi;
+        float m_new = m[i] + omb1 * (g - m[i]);
+        float v_new = v[i] * beta2 + omb2 * g * g;
+        int ok = fin & is_finite(m_new) & is_finite(v_new);
+        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
+        m[i] = mi;
+        v[i] = vi;
+        float denom = sqrtf(vi) * inv_bc2 + eps;
+        float p_new = p_decayed - step_size * (mi / denom);
+        p[i] = ok ? p_new : pi;
+    }
+}
+"""
 
 
 ADAM = FusedRule(
@@ -117,7 +211,10 @@ ADAM = FusedRule(
     COEFS,
     adam_coefficients,
     option="decoupled",
-    triton_update=_triton_update,
-    triton_coefficients=_triton_coefficients,
+    triton_update=triton_jit(adam_tile_update),
+    triton_coefficients=triton_jit(
+        adam_coefs_kernel, calls=(_pow,), imports=("triton.language.extra.cuda.gdc_launch_dependents",)
+    ),
+    c_source=_C_UPDATE,
     c_name="adam",
 )

@@ -2,8 +2,11 @@
 
 A :class:`FusedRule` says what a fused kernel needs to run a rule, and nothing of any optimizer: its states and
 their signs, its per-step coefficients, its element update in each kernel family's form, and the name of its
-function in the C step. The kernels read these; no table of names picks a kernel or coefficients, so a rule a
+source in the C step. The kernels read these; no table of names picks a kernel or coefficients, so a rule a
 kernel was not built for is refused by name (``optim/launch.py``), never run with another rule's arithmetic.
+A rule is one file (``rules/<name>.py``): its Triton functions are written there in Triton's language and made
+``@triton.jit`` functions by :func:`triton_jit` when a kernel first asks for them, so that importing a rule imports
+no Triton; its C update is source text there, which ``kernels/cpu.py`` builds into the C step.
 
 Non-finite gradient elements are skipped by every rule: that element's parameter and states keep their values
 (up to requantization of its block) and nothing else in its block changes. This is bitsandbytes' policy, except
@@ -13,6 +16,9 @@ dtype is skipped the same way.
 
 from __future__ import annotations
 
+import functools
+import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +27,7 @@ import torch
 
 from torchao_optim.quant.rounding import stochastic_round_bf16
 
-__all__ = ["FusedRule", "finite_grad", "sqrt_rn", "store_param"]
+__all__ = ["FusedRule", "finite_grad", "sqrt_rn", "store_param", "triton_jit"]
 
 
 @dataclass(frozen=True)
@@ -32,24 +38,30 @@ class FusedRule:
         name (str): the rule's name, for messages.
         state_keys (Tuple[str, ...]): the states it reads and writes, in the kernels' order. Their number picks the
             kernel family: one state, the one-state Triton kernel (``kernels/triton_momentum.py``); two, the
-            two-state one (``kernels/triton_adam.py``).
+            two-state one (``kernels/triton_adam.py``). The C step takes either.
         signed (Tuple[bool, ...]): per state, whether it may hold a negative value (the unsigned codebook serves
             a state that cannot).
-        coefficient_names (Tuple[str, ...]): the columns of its per-step coefficient rows; the one-state kernel
-            reads 4, the two-state kernel 7.
+        coefficient_names (Tuple[str, ...]): the columns of its per-step coefficient rows; the one-state Triton
+            kernel reads 4, the two-state one 7, the C step any number.
         coefficients (Callable): ``(steps, hyperparams, option) -> rows``: float64 ``steps.shape +
             (n_coefs,)`` from advanced step counts and the group's hyperparameter tensor, once per step.
-        option (str, optional): the launch setting its element updates take as their one constant (``OPTION``),
-            and its coefficient function as ``option``: Adam's ``"decoupled"``, SGD's ``"nesterov"``. Default: None.
+        option (str, optional): the launch setting its element updates take as their one constant (``OPTION``,
+            ``option``), and its coefficient function as ``option``: Adam's ``"decoupled"``, SGD's ``"nesterov"``.
+            Default: None.
         triton_update (Callable, optional): returns its element update, a ``@triton.jit`` function the Triton
-            kernel family of its states takes as a constexpr (Triton is imported then, not before): one state,
-            ``(p, g, s, coefs, OPTION, PTX) -> (p, s)``; two, ``(p, g, m, v, coefs, OPTION, PTX) -> (p, m, v)``;
-            fp32 tiles, the gradient already negated for ``maximize``. Default: None (no Triton kernel runs it).
+            kernel family of its states takes as a constexpr (made by :func:`triton_jit`; Triton is imported then,
+            not before): one state, ``(p, g, s, coefs, OPTION, PTX) -> (p, s)``; two, ``(p, g, m, v, coefs,
+            OPTION, PTX) -> (p, m, v)``; fp32 tiles, the gradient already negated for ``maximize``. Default: None
+            (no Triton kernel runs it).
         triton_coefficients (Callable, optional): returns a Triton kernel ``(steps, hyperparams, coefs, n, OPTION,
             N_POW2, PDL)`` that advances ``n`` step counts and writes their rows in one launch, for every plan of a
             group on a device. Default: None (the rows come from ``coefficients``, in torch).
-        c_name (str, optional): the name of its update in the C step's table of rules (``kernels/cpu_step.c``).
-            Default: None (the C step does not run it).
+        c_source (str, optional): its element update in C, as source text the C step is built with
+            (``kernels/cpu.py``): a function ``c_name`` that updates ``n`` fp32 elements in place; one state,
+            ``void (float *p, const float *g, float *s, int n, const float *c, int option)``; two, ``void (float
+            *p, const float *g, float *m, float *v, int n, const float *c, int option)``. Default: None (the C
+            step does not run it).
+        c_name (str, optional): the name of the function ``c_source`` defines; given with it. Default: None.
     """
 
     name: str
@@ -60,6 +72,7 @@ class FusedRule:
     option: str | None = None
     triton_update: Callable[[], Any] | None = None
     triton_coefficients: Callable[[], Any] | None = None
+    c_source: str | None = None
     c_name: str | None = None
 
     def __post_init__(self):
@@ -68,11 +81,55 @@ class FusedRule:
                 f"rule {self.name!r}: {len(self.state_keys)} state keys {self.state_keys} but "
                 f"{len(self.signed)} signs {self.signed}"
             )
+        if (self.c_source is None) != (self.c_name is None):
+            raise ValueError(
+                f"rule {self.name!r}: c_source and c_name go together (the source, and the name of the function it "
+                f"defines), got c_name={self.c_name!r} and {'no' if self.c_source is None else 'a'} c_source"
+            )
+        if self.c_name is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.c_name):
+            raise ValueError(f"rule {self.name!r}: c_name must be a C identifier, got {self.c_name!r}")
 
     @property
     def n_coefs(self) -> int:
         """Columns of its coefficient rows."""
         return len(self.coefficient_names)
+
+
+def triton_jit(fn: Callable, calls: tuple[Callable, ...] = (), imports: tuple[str, ...] = ()) -> Callable[[], Any]:
+    """A function written in Triton's language, as a callable that returns it as a ``@triton.jit`` function, made on
+    the first call (and kept): a rule's file writes its Triton functions without importing Triton, so that importing
+    the package imports no Triton, and a kernel asks for them when it first launches (``FusedRule.triton_update``).
+
+    On that call ``tl`` (``triton.language``) and ``triton`` are bound in ``fn``'s module, where its body finds them,
+    with ``imports`` (dotted names of other Triton objects, bound under their last part: Adam's coefficients kernel
+    takes ``"triton.language.extra.cuda.gdc_launch_dependents"``), and so is each of ``calls``: a function ``fn``
+    calls, written the same way, jit-compiled first and bound under its name, where Triton looks a callee up. The
+    module writes ``from __future__ import annotations``, so that a ``tl.constexpr`` annotation is a string at import
+    (Triton reads it as one), and may import the names under ``typing.TYPE_CHECKING``, for readers and linters.
+    """
+    return functools.partial(_jit, fn, tuple(calls), tuple(imports))
+
+
+@functools.cache
+def _jit(fn: Callable, calls: tuple[Callable, ...], imports: tuple[str, ...]) -> Any:
+    import triton
+    import triton.language as tl
+
+    names = {"tl": tl, "triton": triton}
+    for path in imports:
+        module, _, name = path.rpartition(".")
+        names[name] = getattr(importlib.import_module(module), name)
+    scope = fn.__globals__
+    for name, value in names.items():
+        if scope.get(name, value) is not value:
+            raise ValueError(
+                f"{fn.__module__}.{fn.__qualname__}: its module's {name!r} is {scope[name]!r}, not the Triton "
+                f"object {value!r} its Triton functions mean by it"
+            )
+        scope[name] = value
+    for callee in calls:
+        scope[callee.__name__] = _jit(callee, (), ())
+    return triton.jit(fn)
 
 
 def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):

@@ -1,5 +1,6 @@
 """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the rule's coefficients, its update
-in plain tensor code, and :data:`LION`, the rule as the fused kernels take it.
+in plain tensor code, and :data:`LION`, the rule as the fused kernels take it: with the same update in Triton's
+language (``lion_tile_update``) and in C.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the state may be plain or any format, non-finite
 gradient elements are skipped, and so is an element whose new state would overflow.
@@ -7,11 +8,14 @@ gradient elements are skipped, and so is an element whose new state would overfl
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
 
 __all__ = ["LION", "LION_COEFS", "lion_coefficients", "lion_update"]
 
@@ -47,13 +51,50 @@ def lion_update(
     store_param(param, torch.where(ok, p * wd_factor - lr * torch.sign(c), p), round_key)
 
 
-@functools.cache  # imported once: a launch asks for it every step
-def _triton_update():
-    from torchao_optim.rules.triton_updates import lion_tile_update
+def lion_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.lion.lion_update` on a tile (``s``: ``exp_avg``; no option): returns
+    ``(p, s)``."""
+    lr, wd_factor, one_minus_beta1, one_minus_beta2 = coefs
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    interp = s + one_minus_beta1 * (g - s)
+    s_new = s + one_minus_beta2 * (g - s)
+    ok = finite & (tl.abs(s_new) < float("inf")) & (tl.abs(interp) < float("inf"))
+    s = tl.where(ok, s_new, s)
+    sign = tl.where(interp > 0, 1.0, tl.where(interp < 0, -1.0, 0.0))
+    p = tl.where(ok, p * wd_factor - lr * sign, p)
+    return p, s
 
-    return lion_tile_update
+
+# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+                          int option) {
+    (void)option; /* no option */
+    const float lr = c[0], wd_factor = c[1], omb1 = c[2], omb2 = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float interp = s[i] + omb1 * (g - s[i]);
+        float s_new = s[i] + omb2 * (g - s[i]);
+        int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects, where & would branch */
+        s[i] = ok ? s_new : s[i];
+        float sign = interp > 0.0f ? 1.0f : 0.0f;
+        sign = interp < 0.0f ? -1.0f : sign;
+        p[i] = ok ? pi * wd_factor - lr * sign : pi;
+    }
+}
+"""
 
 
 LION = FusedRule(
-    "lion", ("exp_avg",), (True,), LION_COEFS, lion_coefficients, triton_update=_triton_update, c_name="lion"
+    "lion",
+    ("exp_avg",),
+    (True,),
+    LION_COEFS,
+    lion_coefficients,
+    triton_update=triton_jit(lion_tile_update),
+    c_source=_C_UPDATE,
+    c_name="lion",
 )

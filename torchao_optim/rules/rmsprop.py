@@ -1,6 +1,7 @@
 """RMSprop (Hinton's lecture 6e; ``torch.optim.RMSprop``): the rule's coefficients, its update in plain tensor code,
 and its two fused rules, chosen by the group's momentum: :data:`RMSPROP` (``square_avg`` alone, the one-state
-kernels) and :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels).
+kernels) and :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels), each with
+its update in Triton's language and in C.
 ``centered=True`` adds a third state (``grad_avg``), which no fused kernel carries: it runs on the compiled path.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the states may be plain or any format
@@ -10,11 +11,14 @@ states keep their values), and so is an element whose new state would overflow.
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
 
 __all__ = [
     "RMSPROP",
@@ -99,18 +103,74 @@ def rmsprop_update(
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 
-@functools.cache  # imported once: a launch asks for it every step
-def _triton_update():
-    from torchao_optim.rules.triton_updates import rmsprop_tile_update
+def rmsprop_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` without momentum or centering on a tile (``s``:
+    ``square_avg``; no option): returns ``(p, s)``."""
+    lr, wd, one_minus_alpha, eps = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    s_new = s + one_minus_alpha * (g * g - s)
+    ok = finite & (tl.abs(s_new) < float("inf"))
+    p = tl.where(ok, p - lr * g / (tl.sqrt_rn(s_new) + eps), p)
+    s = tl.where(ok, s_new, s)
+    return p, s
 
-    return rmsprop_tile_update
+
+def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` with momentum, not centered, on a tile (``v``:
+    ``square_avg``, ``b``: ``momentum_buffer``; no option): returns ``(p, v, b)``."""
+    lr, wd, one_minus_alpha, eps, momentum, _, _ = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    v_new = v + one_minus_alpha * (g * g - v)
+    b_new = b * momentum + g / (tl.sqrt_rn(v_new) + eps)
+    ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(b_new) < float("inf"))
+    v = tl.where(ok, v_new, v)
+    b = tl.where(ok, b_new, b)
+    p = tl.where(ok, p - lr * b_new, p)
+    return p, v, b
 
 
-@functools.cache
-def _triton_momentum_update():
-    from torchao_optim.rules.triton_updates import rmsprop_momentum_tile_update
-
-    return rmsprop_momentum_tile_update
+# Their element updates in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+NOINLINE static void rmsprop(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+                             int option) {
+    (void)option; /* no option */
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] + oma * (g * g - s[i]);
+        int ok = is_finite(s_new) ? fin : 0;
+        float p_new = pi - lr * g / (sqrtf(s_new) + eps);
+        s[i] = ok ? s_new : s[i];
+        p[i] = ok ? p_new : pi;
+    }
+}
+"""
+_C_MOMENTUM_UPDATE = r"""
+NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
+                                      float *restrict b, int n, const float *c, int option) {
+    (void)option; /* no option */
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float v_new = v[i] + oma * (g * g - v[i]);
+        float b_new = b[i] * momentum + g / (sqrtf(v_new) + eps);
+        int ok = is_finite(v_new) ? (is_finite(b_new) ? fin : 0) : 0;
+        v[i] = ok ? v_new : v[i];
+        b[i] = ok ? b_new : b[i];
+        p[i] = ok ? pi - lr * b_new : pi;
+    }
+}
+"""
 
 
 RMSPROP = FusedRule(
@@ -119,7 +179,8 @@ RMSPROP = FusedRule(
     (False,),
     RMSPROP_COEFS[:4],
     _one_state_coefficients,
-    triton_update=_triton_update,
+    triton_update=triton_jit(rmsprop_tile_update),
+    c_source=_C_UPDATE,
     c_name="rmsprop",
 )
 RMSPROP_MOMENTUM = FusedRule(
@@ -128,6 +189,7 @@ RMSPROP_MOMENTUM = FusedRule(
     (False, True),
     RMSPROP_MOMENTUM_COEFS,
     _two_state_coefficients,
-    triton_update=_triton_momentum_update,
+    triton_update=triton_jit(rmsprop_momentum_tile_update),
+    c_source=_C_MOMENTUM_UPDATE,
     c_name="rmsprop_momentum",
 )

@@ -1,5 +1,6 @@
 """SGD with momentum (``torch.optim.SGD``): the rule's coefficients, its update in plain tensor code, and
-:data:`SGD`, the rule as the fused kernels take it.
+:data:`SGD`, the rule as the fused kernels take it: with the same update in Triton's language
+(``sgd_tile_update``) and in C.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the state may be plain or any format, non-finite
 gradient elements are skipped (parameter and state keep their values), and so is an element whose new state
@@ -8,11 +9,14 @@ would overflow.
 
 from __future__ import annotations
 
-import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
 
 __all__ = ["SGD", "SGD_COEFS", "sgd_coefficients", "sgd_update"]
 
@@ -56,11 +60,49 @@ def sgd_update(
     store_param(param, torch.where(ok, p - lr * g, p), round_key)
 
 
-@functools.cache  # imported once: a launch asks for it every step
-def _triton_update():
-    from torchao_optim.rules.triton_updates import sgd_tile_update
+def sgd_tile_update(p, g, s, coefs, NESTEROV: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.sgd.sgd_update` on a tile (``s``: the momentum buffer): returns ``(p, s)``."""
+    lr, wd, momentum, grad_coef = coefs
+    finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    s_new = s * momentum + grad_coef * g
+    ok = finite & (tl.abs(s_new) < float("inf"))
+    s = tl.where(ok, s_new, s)
+    if NESTEROV:
+        d = g + momentum * s
+    else:
+        d = s
+    p = tl.where(ok, p - lr * d, p)
+    return p, s
 
-    return sgd_tile_update
+
+# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+/* nesterov is a constant in each call (sgd below): a branch on it inside the loop would stop the vectorizer */
+static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, const float *restrict g_in,
+                                                          float *restrict s, int n, const float *c, int nesterov) {
+    const float lr = c[0], wd = c[1], momentum = c[2], grad_coef = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float s_new = s[i] * momentum + grad_coef * g;
+        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        float si = ok ? s_new : s[i];
+        s[i] = si;
+        float d = nesterov ? g + momentum * si : si;
+        p[i] = ok ? pi - lr * d : pi;
+    }
+}
+
+NOINLINE static void sgd(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+                         int nesterov) {
+    if (nesterov) sgd_loop(p, g_in, s, n, c, 1);
+    else sgd_loop(p, g_in, s, n, c, 0);
+}
+"""
 
 
 SGD = FusedRule(
@@ -70,6 +112,7 @@ SGD = FusedRule(
     SGD_COEFS,
     sgd_coefficients,
     option="nesterov",
-    triton_update=_triton_update,
+    triton_update=triton_jit(sgd_tile_update),
+    c_source=_C_UPDATE,
     c_name="sgd",
 )
