@@ -115,7 +115,7 @@ def _scaled(make_optimizer, scale: float):
 
 # torch.optim.Adafactor's lr is no step size: it steps by min(lr, 1 / sqrt(t)) times the parameter's RMS (at least
 # 1e-3), its update's RMS clipped to 1. Swept on benchmark_convergence.py's small preset (benchmarks/README.md).
-ADAFACTOR_LR_SCALE = 1.0
+ADAFACTOR_LR_SCALE = 15.0
 
 
 def _other_rules() -> list[OptimizerEntry]:

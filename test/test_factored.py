@@ -37,6 +37,12 @@ class TestFactored(FactoredCase, StateFormatTestCase):
     format_name = "factored"
     max_error = {True: 0.9 / 128, False: 0.9 / 256}  # blockwise states: dtq8's codebooks (test_dtq8.py)
 
+    @pytest.mark.slow
+    def test_compiled_equals_eager_bit_for_bit(self):
+        # 15-35 s on a 2-core CPU: CI compiles this format's signed (dtq8's codebook) and factored states together in
+        # its AdamW conformance case (test_conformance.py: adamw-factored-compiled, parity, exact resume, containment)
+        super().test_compiled_equals_eager_bit_for_bit()
+
     def test_repr_is_metadata_only(self):
         self.assertExpectedInline(
             repr(FactoredTensor.zeros((4, 8), signed=False)),
@@ -179,6 +185,12 @@ class TestFactored4(FactoredCase, StateFormatTestCase):
     format_name = "factored4"
     block_size = 128
     max_error = {True: 15 / 64, False: 1 / 16}  # blockwise states: 4bit's codebooks (test_fourbit.py)
+
+    @pytest.mark.slow
+    def test_compiled_equals_eager_bit_for_bit(self):
+        # 15-35 s on a 2-core CPU, and nothing CI does not compile already: its blockwise states are "4bit"'s
+        # codebooks (test_fourbit.py), held by FactoredState as "factored"'s
+        super().test_compiled_equals_eager_bit_for_bit()
 
     def test_codes_are_4bit(self):
         x = torch.randn(64, 256)
