@@ -20,7 +20,8 @@ stepping down a layer while it runs out of memory or its host memory passes the 
 
 Configurations (``--configs``, comma list): torch's fused AdamW with fp32 and bf16 params, bitsandbytes'
 and torchao's AdamW8bit, torchao's CPUOffloadOptimizer with and without ``offload_gradients``, and ours:
-AdamW8bit, AdamW4bit, AdamW8bit with bf16 params and stochastic rounding, alone, with ``offload_state=True``,
+AdamW8bit, AdamW4bit, AdamW with the factored formats (``AdamW-factored``, ``AdamW-factored4``), AdamW8bit with bf16
+params and stochastic rounding, alone, with ``offload_state=True``,
 with ``step_in_backward`` and with both. Peers that are not installed and GPU-only configurations on a CPU are
 skipped with the reason printed. Writes JSON and a PNG chart under ``results/memory/``.
 """
@@ -176,6 +177,18 @@ def config_table() -> dict[str, Config]:
         ),
         Config("AdamW8bit", "torchao_optim.AdamW8bit, fp32 params", _table("AdamW8bit"), table_name="AdamW8bit"),
         Config("AdamW4bit", "torchao_optim.AdamW4bit, fp32 params", _table("AdamW4bit"), table_name="AdamW4bit"),
+        Config(
+            "AdamW-factored",
+            "torchao_optim.AdamW(state_format='factored'), fp32 params",
+            _table("AdamW-factored"),
+            table_name="AdamW-factored",
+        ),
+        Config(
+            "AdamW-factored4",
+            "torchao_optim.AdamW(state_format='factored4'), fp32 params",
+            _table("AdamW-factored4"),
+            table_name="AdamW-factored4",
+        ),
         Config(
             "AdamW8bitSR-bf16",
             "torchao_optim.AdamW8bit(bf16_stochastic_round=True), bf16 params",
@@ -499,9 +512,9 @@ def print_fixed_table(rows: list[dict], cuda: bool) -> None:
     print(
         "\n| config | iteration ms | "
         + ("GPU GB (allocated peak) | GPU GB (reserved peak) | host GB | " if cuda else "memory GB (peak RSS) | ")
-        + "state GB |"
+        + "state GB | state bytes / param |"
     )
-    print("|---|---|---|" + ("---|---|" if cuda else "") + "---|")
+    print("|---|---|---|" + ("---|---|" if cuda else "") + "---|---|")
     for row in rows:
         if row["status"] != "ok":
             print(f"| {row['name']} | {row['status']}: {row['reason']} |")
@@ -515,7 +528,8 @@ def print_fixed_table(rows: list[dict], cuda: bool) -> None:
             if cuda
             else f"{r['device_bytes'] / 1e9:.3f}"
         )
-        print(f"| {row['name']} | {r['iteration_ms']:.1f} | {memory} | {r['state_bytes'] / 1e9:.2f} |")
+        state = f"{r['state_bytes'] / 1e9:.2f} | {r['state_bytes'] / r['n_params']:.3f}"
+        print(f"| {row['name']} | {r['iteration_ms']:.1f} | {memory} | {state} |")
 
 
 def offload_acceptance(rows: list[dict]) -> dict | None:

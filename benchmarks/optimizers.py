@@ -20,11 +20,13 @@ edit. Names:
   ``Muon`` / ``Muon8bit``, ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` / ``RMSprop8bit`` (momentum 0.9; torch's
   with ``foreach=True``), ``AdEMAMix`` / ``AdEMAMix8bit`` (``AdEMAMix8bit(state_format="none")`` / default, with
   its own betas), and bitsandbytes' ``SGDBnb8bit``, ``LionBnb8bit``, ``AdagradBnb8bit``, ``RMSpropBnb8bit`` and
-  ``AdEMAMixBnb8bit``. A benchmark hands every
+  ``AdEMAMixBnb8bit``; ``Adafactor`` (``torch.optim.Adafactor``, beside ``AdamW-factored``, whose second moment is
+  Adafactor's). A benchmark hands every
   optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
   weight decay 3x to keep ``lr * weight_decay``), Muon matches AdamW's update size
   (``adjust_lr_fn="match_rms_adamw"``), Adagrad's runs at 10x it, RMSprop's at a tenth (momentum amplifies its
-  step tenfold). The factor is the optimizer's ``lr_scale``, which :func:`set_lr` applies.
+  step tenfold), Adafactor's at :data:`ADAFACTOR_LR_SCALE` times it. The factor is the optimizer's ``lr_scale``, which
+  :func:`set_lr` applies.
 
 Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...). A benchmark-only
 module adds optimizers of its own with :func:`register_optimizer` (``benchmarks/fourbit_variants.py``).
@@ -109,6 +111,11 @@ def _scaled(make_optimizer, scale: float):
         return optimizer
 
     return make
+
+
+# torch.optim.Adafactor's lr is no step size: it steps by min(lr, 1 / sqrt(t)) times the parameter's RMS (at least
+# 1e-3), its update's RMS clipped to 1. Swept on benchmark_convergence.py's small preset (benchmarks/README.md).
+ADAFACTOR_LR_SCALE = 15.0
 
 
 def _other_rules() -> list[OptimizerEntry]:
@@ -248,6 +255,11 @@ def _other_rules() -> list[OptimizerEntry]:
             "bitsandbytes.optim.RMSprop8bit(momentum=0.9)",
             _scaled(bnb_rule("RMSprop8bit", momentum=0.9), 0.1),
             bnb,
+        ),
+        OptimizerEntry(
+            "Adafactor",
+            f"torch.optim.Adafactor (factored second moment, no first moment; lr x{ADAFACTOR_LR_SCALE:g})",
+            _scaled(lambda ps, lr, wd, c: torch.optim.Adafactor(ps, lr=lr, weight_decay=wd), ADAFACTOR_LR_SCALE),
         ),
     ]
 

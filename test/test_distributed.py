@@ -920,6 +920,14 @@ class TestShardedStep(expecttest.TestCase):
             with self.subTest(**{k: getattr(v, "__name__", v) for k, v in opt_kw.items()}):
                 self.check_ranks(2, Net, steps=3, opt_kw=opt_kw)
 
+    def test_factored_keeps_plain_state(self):
+        # a factored state's column means span every rank's rows and nothing reconciles them (row_shardable is
+        # False, FactoredState's, as "factored4"'s): every state of a row-sharded parameter stays plain fp32, the
+        # same numbers as one process's
+        _, opt = self.check_ranks(2, Net, steps=2, opt_kw=dict(cls=AdamW, state_format="factored"))
+        kinds = {type(s.to_local()) for state in opt.state.values() for k, s in state.items() if k != "step"}
+        self.assertEqual(kinds, {torch.Tensor})
+
     def test_four_ranks_with_an_empty_shard(self):
         # fc2.weight (3, 512) has 3 rows: ranks 0-2 hold one each, rank 3 none (empty states, that still step)
         self.check_ranks(4, lambda: Net((64, 512, 3, 64)))

@@ -7,6 +7,8 @@ import pytest
 
 from torchao_optim import (
     DTQ8bitTensor,
+    Factored4Tensor,
+    FactoredTensor,
     FourBitRank1Tensor,
     FourBitTensor,
     Fp8Tensor,
@@ -19,6 +21,7 @@ from torchao_optim.state import QuantizedState
 
 def test_builtin_formats():
     builtin = {"dtq8": DTQ8bitTensor, "4bit": FourBitTensor, "4bit_rank1": FourBitRank1Tensor, "fp8": Fp8Tensor}
+    builtin.update(factored=FactoredTensor, factored4=Factored4Tensor)
     assert set(builtin) <= set(list_state_formats())
     for name, cls in builtin.items():
         assert get_state_format(name) is cls and cls.format_name == name

@@ -26,6 +26,8 @@ from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_opt
 from torchao_optim.quant import create_dynamic_map
 from torchao_optim.state import (
     DTQ8bitTensor,
+    Factored4Tensor,
+    FactoredTensor,
     FourBitRank1Tensor,
     FourBitTensor,
     Fp8Tensor,
@@ -61,6 +63,8 @@ __all__ = [
     "step_in_backward",
     "UNSIGNED_STATE_KEYS",
     "DTQ8bitTensor",
+    "Factored4Tensor",
+    "FactoredTensor",
     "FourBitRank1Tensor",
     "FourBitTensor",
     "Fp8Tensor",

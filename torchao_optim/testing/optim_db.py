@@ -630,7 +630,9 @@ class ConformanceCase:
         hit = torch.zeros(n_blocks, dtype=torch.bool, device=fa.device)
         hit[idx // sa.block_size] = True
         clean = ~hit[block]
-        for name in sa.data_fields():  # per element (packed codes: several per entry) or per block
+        # per element (packed codes: several per entry) or per block; other fields (a factored format's empty means
+        # beside blockwise codes) are checked at the parameter level
+        for name in sa.elementwise_fields + sa.blockwise_fields:
             x, y = getattr(sa, name), getattr(sb, name)
             keep = ~hit if name in sa.blockwise_fields else clean[:: math.ceil(numel / x.numel())]
             check.equal(x[keep], y[keep], f"{what}.{name}: the blocks without a bad element, against run B")
