@@ -5,7 +5,7 @@ import torch
 
 import torchao_optim
 from torchao_optim import Factored4Tensor, FactoredTensor
-from torchao_optim.state.factored import factored_rows
+from torchao_optim.state.rows import matrix_rows
 from torchao_optim.testing import StateFormatTestCase
 
 # fp32 means against float64 ones: a sum of n fp32 values is within about n * 2**-24 of its exact value relative to
@@ -62,8 +62,8 @@ class TestFactored(FactoredCase, StateFormatTestCase):
             (1, 1): 0,
             (0, 5): 0,
         }
-        self.assertEqual({shape: factored_rows(shape, signed=False) for shape in cases}, cases)
-        self.assertEqual(factored_rows((6, 300), signed=True), 0)
+        self.assertEqual({shape: matrix_rows(shape, False, FactoredTensor.min_rows) for shape in cases}, cases)
+        self.assertEqual(matrix_rows((6, 300), True, FactoredTensor.min_rows), 0)
         q = FactoredTensor.from_float(torch.rand(6, 3, 100), signed=False)
         self.assertEqual((q.row_mean.shape, q.col_mean.shape, q.codes.numel(), q.absmax.numel()), ((6,), (300,), 0, 0))
         self.assertIsNone(q.fast_path_layout())  # not blockwise: the compiled path
@@ -111,24 +111,6 @@ class TestFactored(FactoredCase, StateFormatTestCase):
                 self.assertLess(err, 1e-5, f"step {step + 1}: {what} off by {err:.3g} relative")
             self.assertEqual(type(opt.state[p]["exp_avg"]), FactoredTensor)
             self.assertEqual(opt.state[p]["exp_avg"].codes.numel(), 24 * 80)  # 8-bit codes
-
-    def test_factored_rows_share_one_compiled_graph(self):
-        # rows travels as the size of row_mean, not a constant: matrices of several row counts take at most two
-        # graphs (a first and a dynamic one)
-        from torch._dynamo.utils import counters
-
-        from torchao_optim.optim import compiled as compiled_module
-
-        with mock.patch.object(compiled_module, "BACKEND", "eager"):
-            shapes = [(96, 128), (160, 64), (224, 128), (352, 64), (480, 64)]
-            params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-            opt = torchao_optim.AdamW(params, state_format="factored", fused=False, min_quant_size=0)
-            graphs = counters["stats"]["unique_graphs"]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            opt.step()
-            self.assertEqual([opt.state[p]["exp_avg_sq"].rows for p in params], [s[0] for s in shapes])
-            self.assertLessEqual(counters["stats"]["unique_graphs"] - graphs, 2)
 
     def test_loaded_state_keeps_its_layout(self):
         # a checkpoint's state laid out as a new one keeps its factors (rows follows from the shape); the state_dict
@@ -220,3 +202,24 @@ def test_every_non_negative_state_is_factored(fmt):
         rows = {k: v.rows for k, v in opt.state[w].items() if k != "step"}
         assert rows[key] == (0 if key == "momentum_buffer" else 32), (key, rows)
         assert all(r == 0 for k, r in rows.items() if k != key), (key, rows)
+
+
+@pytest.mark.parametrize("state_format", ["factored", "4bit_rank1"])
+def test_row_counts_share_one_compiled_graph(state_format):
+    # rows travels as the size of a field (row_mean, row_marks), not a constant: matrices of five row counts (none
+    # dividing another's block count) take at most two graphs (a first and a dynamic one), where a constant took one
+    # each
+    from torch._dynamo.utils import counters
+
+    from torchao_optim.optim import compiled as compiled_module
+
+    with mock.patch.object(compiled_module, "BACKEND", "eager"):
+        shapes = [(96, 128), (160, 64), (224, 128), (352, 64), (480, 64)]
+        params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = torchao_optim.AdamW(params, state_format=state_format, fused=False, min_quant_size=0)
+        graphs = counters["stats"]["unique_graphs"]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        assert [opt.state[p]["exp_avg_sq"].rows for p in params] == [s[0] for s in shapes]
+        assert counters["stats"]["unique_graphs"] - graphs <= 2

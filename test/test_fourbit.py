@@ -104,26 +104,6 @@ class TestFourBitRank1(StateFormatTestCase):
         self.assertEqual((vector.rows, vector.absmax.shape), (0, (1800 // 128 + 1,)))
         self.assertEqual(FourBitRank1Tensor.zeros((1, 1), signed=False).rows, 0)
 
-    def test_rank1_row_counts_share_one_compiled_graph(self):
-        # rows travels as a size (row_marks), not a constant: matrices of three row counts (none dividing
-        # another's block count) take one graph after the first two, where a constant took one each
-        from unittest import mock
-
-        from torch._dynamo.utils import counters
-
-        from torchao_optim.optim import compiled as compiled_module
-
-        with mock.patch.object(compiled_module, "BACKEND", "eager"):
-            shapes = [(96, 128), (160, 64), (224, 128), (352, 64), (480, 64)]
-            params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-            opt = torchao_optim.AdamW(params, state_format="4bit_rank1", fused=False, min_quant_size=0)
-            graphs = counters["stats"]["unique_graphs"]
-            for p in params:
-                p.grad = torch.randn_like(p)
-            opt.step()
-            self.assertEqual([opt.state[p]["exp_avg_sq"].rows for p in params], [s[0] for s in shapes])
-            self.assertLessEqual(counters["stats"]["unique_graphs"] - graphs, 2)
-
     def test_rank1_write_back_traces_through_aot_autograd(self):
         # A compiled update ends with the write-back of each mutated state: a copy_ between two compact rank-1
         # states, field by field as every format's. Copied through views of absmax (as rows are, into a row slice),

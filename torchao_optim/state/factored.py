@@ -37,36 +37,22 @@ sharded by rows (FSDP2) keeps plain state (``row_shardable``), and a factored st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
 
-from torchao_optim.state.base import _OPS, QuantizedState, _slice_bound, aten
+from torchao_optim.state.base import _OPS, _slice_bound, aten
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.dtq8 import DTQ8bitTensor
 from torchao_optim.state.fourbit import FourBitTensor
 from torchao_optim.state.layout import StateLayout
 from torchao_optim.state.registry import register_state_format
+from torchao_optim.state.rows import RowScaled
 
-__all__ = ["Factored4Tensor", "FactoredState", "FactoredTensor", "factored_rows"]
-
-
-def factored_rows(shape: Sequence[int], signed: bool | None) -> int:
-    """The rows of the matrix a non-negative state of ``shape`` is factored as (its first dimension after any
-    leading ones), or 0 where it keeps blockwise codes: signed, fewer than two dimensions besides leading ones,
-    or one row or one column."""
-    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-    dims = list(shape)
-    while dims and dims[0] == 1:
-        dims.pop(0)
-    if signed is not False or len(dims) < 2 or shape.numel() == 0:
-        return 0
-    rows = dims[0]
-    return rows if rows >= 2 and shape.numel() // rows >= 2 else 0
+__all__ = ["Factored4Tensor", "FactoredState", "FactoredTensor"]
 
 
-class FactoredState(CodebookState):
+class FactoredState(RowScaled, CodebookState):
     """Blockwise codes of ``blockwise_format``'s layout, or, for a non-negative state of a matrix, its row and
     column means (see the module's docstring). Subclasses name ``blockwise_format``.
 
@@ -78,6 +64,8 @@ class FactoredState(CodebookState):
     """
 
     attr_fields = ("signed", "block_size", "rows")
+    rows_field = "row_mean"
+    min_rows = 2  # factors of a matrix of one row or column would take as many bytes as its values
     blockwise_format: ClassVar[type[CodebookState]]
     # Shard(0): a column's mean spans every rank's rows, and nothing reconciles it (rank-1 maxima are all-reduced,
     # optim/sharded_columns.py; means are not): a row-sharded parameter keeps plain state
@@ -89,59 +77,14 @@ class FactoredState(CodebookState):
         return super().data_fields() + ("row_mean", "col_mean")
 
     @classmethod
-    def _attrs(cls, signed=None, block_size=None, rows=None, **attrs):
+    def _attrs(cls, signed=None, **attrs):
         if not isinstance(signed, bool):
             raise TypeError(f"{cls.__name__} needs signed=True (exp_avg) or signed=False (exp_avg_sq), got {signed!r}")
-        return dict(super()._attrs(block_size=block_size, signed=signed, **attrs), rows=0 if rows is None else rows)
+        return super()._attrs(signed=signed, **attrs)
 
     @classmethod
     def layout(cls, *, signed: bool, block_size: int, **_) -> StateLayout:
         return cls.blockwise_format.layout(signed=signed, block_size=block_size)
-
-    @classmethod
-    def layout_of(cls, attrs):
-        return super().layout_of({k: v for k, v in attrs.items() if k != "rows"})
-
-    @classmethod
-    def _with_rows(cls, shape, attrs):
-        return attrs if attrs.get("rows") is not None else dict(attrs, rows=factored_rows(shape, attrs.get("signed")))
-
-    @classmethod
-    def zeros(cls, shape: Sequence[int], **attrs) -> QuantizedState:
-        return super().zeros(shape, **cls._with_rows(shape, attrs))
-
-    @classmethod
-    def from_float(cls, x: torch.Tensor, **attrs) -> QuantizedState:
-        return super().from_float(x, **cls._with_rows(getattr(x, "shape", ()), attrs))
-
-    @classmethod
-    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int, **attrs) -> bool:
-        # rows follows from the shape, as for a new state of it
-        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size, **attrs)))
-        return type(value) is cls and value.attrs() == expected
-
-    @classmethod
-    def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
-        super().check_attrs(shape, **attrs)
-        rows, numel = attrs["rows"], torch.Size(shape).numel()
-        if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or rows < 2 or numel % rows)):
-            raise ValueError(
-                f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
-                f"signed={attrs['signed']} (0, or a divisor of numel of at least 2 for signed=False)"
-            )
-
-    def __tensor_flatten__(self):
-        attrs = tuple((k, v) for k, v in self.attrs().items() if k != "rows")
-        return list(self.tensor_fields()), (attrs, self.dtype)
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
-        attrs, dtype = ctx
-        return cls(outer_size, dtype, **inner, **dict(attrs), rows=inner["row_mean"].shape[0])
-
-    def fast_path_layout(self) -> StateLayout | None:
-        # row and column means are no blockwise absmax: the fused kernels cannot read them
-        return None if self.rows else super().fast_path_layout()
 
     @classmethod
     def quantize_fields(cls, x, **attrs):

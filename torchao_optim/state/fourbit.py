@@ -45,6 +45,7 @@ from torchao_optim.state.base import _OPS, QuantizedState, _copy_, _slice, _slic
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
 from torchao_optim.state.registry import register_state_format
+from torchao_optim.state.rows import RowScaled
 
 __all__ = ["FourBitTensor", "FourBitRank1Tensor", "linear_map_without_zero", "quadratic_map"]
 
@@ -105,7 +106,7 @@ class FourBitTensor(CodebookState):
 
 
 @register_state_format("4bit_rank1")
-class FourBitRank1Tensor(FourBitTensor):
+class FourBitRank1Tensor(RowScaled, FourBitTensor):
     """:class:`FourBitTensor` with rank-1 normalization of ``exp_avg_sq`` for tensors of two or more dims.
 
     One more attribute, ``rows``: 0 for blockwise scales (``exp_avg``, and 1-D tensors), else the number of
@@ -122,6 +123,7 @@ class FourBitRank1Tensor(FourBitTensor):
     """
 
     attr_fields = ("signed", "block_size", "rows")
+    rows_field = "row_marks"
     # Shard(0): every rank quantizes its own rows, with the column maxima all-reduced (shared_columns says how many)
     row_shardable = True
     # Shard(1): a row's maximum would span ranks as well as a column's (kept plain), and no slice of columns
@@ -142,62 +144,6 @@ class FourBitRank1Tensor(FourBitTensor):
             marks = torch.zeros(rows, dtype=torch.uint8, device=fields_and_attrs["codes"].device)
             fields_and_attrs = dict(fields_and_attrs, row_marks=marks)
         super().__init__(shape, dtype, **fields_and_attrs)
-
-    def __tensor_flatten__(self):
-        attrs = tuple((k, v) for k, v in self.attrs().items() if k != "rows")
-        return list(self.tensor_fields()), (attrs, self.dtype)
-
-    @classmethod
-    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
-        attrs, dtype = ctx
-        return cls(outer_size, dtype, **inner, **dict(attrs), rows=inner["row_marks"].shape[0])
-
-    @classmethod
-    def layout_of(cls, attrs):
-        return super().layout_of({k: v for k, v in attrs.items() if k != "rows"})
-
-    @classmethod
-    def _with_rows(cls, shape, attrs):
-        if attrs.get("rows") is None:
-            shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
-            dims = list(shape)
-            while dims and dims[0] == 1:
-                dims.pop(0)
-            matrix = attrs.get("signed") is False and len(dims) >= 2 and shape.numel() > 0
-            attrs = dict(attrs, rows=dims[0] if matrix else 0)
-        return attrs
-
-    @classmethod
-    def zeros(cls, shape: Sequence[int], **attrs) -> QuantizedState:
-        return super().zeros(shape, **cls._with_rows(shape, attrs))
-
-    @classmethod
-    def from_float(cls, x: torch.Tensor, **attrs) -> QuantizedState:
-        return super().from_float(x, **cls._with_rows(getattr(x, "shape", ()), attrs))
-
-    @classmethod
-    def _attrs(cls, rows=None, **attrs):
-        return dict(super()._attrs(**attrs), rows=0 if rows is None else rows)
-
-    @classmethod
-    def matches_layout(cls, value: QuantizedState, *, signed: bool, block_size: int, **attrs) -> bool:
-        # rows follows from the shape, as for a new state of it (or from the whole tensor's, for a row shard's)
-        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size, **attrs)))
-        return type(value) is cls and value.attrs() == expected
-
-    @classmethod
-    def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
-        super().check_attrs(shape, **attrs)
-        rows, numel = attrs["rows"], torch.Size(shape).numel()
-        if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or numel % rows)):
-            raise ValueError(
-                f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
-                f"signed={attrs['signed']} (0, or a divisor of numel for signed=False)"
-            )
-
-    def fast_path_layout(self) -> StateLayout | None:
-        # rank-1 scales are per row and column, not per block: the fused kernels cannot read them
-        return None if self.rows else super().fast_path_layout()
 
     @classmethod
     def quantize_fields(cls, x, col_max=None, **attrs):

@@ -1,0 +1,93 @@
+"""What every format whose non-negative matrices keep per-row and per-column numbers shares (``"4bit_rank1"``'s
+row and column maxima, ``"factored"``'s row and column means): which rows a state of a shape has, carried as the
+attribute ``rows``, and everything that follows from it being taken from the shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from torchao_optim.state.layout import StateLayout
+
+__all__ = ["RowScaled", "matrix_rows"]
+
+
+def matrix_rows(shape: Sequence[int], signed: bool | None, min_rows: int = 1) -> int:
+    """The rows of the ``(rows, numel / rows)`` matrix a non-negative state of ``shape`` is read as: its first
+    dimension after any leading ones (a ``(1, 197, 768)`` position embedding is 197 rows of 768). 0, for blockwise
+    scales, where the state may be negative, has fewer than two dimensions besides leading ones (a ``(1, n)`` tensor
+    is a vector), is empty, or has fewer than ``min_rows`` rows or columns."""
+    shape = torch.Size(shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,))
+    dims = list(shape)
+    while dims and dims[0] == 1:
+        dims.pop(0)
+    if signed is not False or len(dims) < 2 or shape.numel() == 0:
+        return 0
+    rows = dims[0]
+    return rows if rows >= min_rows and shape.numel() // rows >= min_rows else 0
+
+
+class RowScaled:
+    """Mixin, before the format's base class: the attribute ``rows`` (0: blockwise scales), taken from the shape
+    when a state is created (so it survives the flat views the optimizer steps through), and held as the size of
+    the field ``rows_field`` too: flattened for ``torch.compile`` a state carries ``rows`` that way only, not in its
+    constant attributes, so one compiled graph serves every row count. Such a state has no blockwise layout, so it
+    takes the per-parameter compiled path; a blockwise one (``rows`` 0) is fused as its base format's."""
+
+    rows_field: ClassVar[str]
+    min_rows: ClassVar[int] = 1  # the fewest rows and columns a matrix of row scales has (else blockwise)
+
+    @classmethod
+    def _attrs(cls, rows=None, **attrs):
+        return dict(super()._attrs(**attrs), rows=0 if rows is None else rows)
+
+    @classmethod
+    def layout_of(cls, attrs):
+        return super().layout_of({k: v for k, v in attrs.items() if k != "rows"})
+
+    @classmethod
+    def _with_rows(cls, shape, attrs):
+        if attrs.get("rows") is not None:
+            return attrs
+        return dict(attrs, rows=matrix_rows(shape, attrs.get("signed"), cls.min_rows))
+
+    @classmethod
+    def zeros(cls, shape: Sequence[int], **attrs):
+        return super().zeros(shape, **cls._with_rows(shape, attrs))
+
+    @classmethod
+    def from_float(cls, x: torch.Tensor, **attrs):
+        return super().from_float(x, **cls._with_rows(getattr(x, "shape", ()), attrs))
+
+    @classmethod
+    def matches_layout(cls, value, *, signed: bool, block_size: int, **attrs) -> bool:
+        # rows follows from the shape, as for a new state of it (or from the whole tensor's, for a row shard's)
+        expected = cls._attrs(**cls._with_rows(value.shape, dict(signed=signed, block_size=block_size, **attrs)))
+        return type(value) is cls and value.attrs() == expected
+
+    @classmethod
+    def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
+        super().check_attrs(shape, **attrs)
+        rows, numel = attrs["rows"], torch.Size(shape).numel()
+        if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or rows < cls.min_rows or numel % rows)):
+            least = f" of at least {cls.min_rows}" if cls.min_rows > 1 else ""
+            raise ValueError(
+                f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
+                f"signed={attrs['signed']} (0, or a divisor of numel{least} for signed=False)"
+            )
+
+    def __tensor_flatten__(self):
+        attrs = tuple((k, v) for k, v in self.attrs().items() if k != "rows")
+        return list(self.tensor_fields()), (attrs, self.dtype)
+
+    @classmethod
+    def __tensor_unflatten__(cls, inner, ctx, outer_size, outer_stride):
+        attrs, dtype = ctx
+        return cls(outer_size, dtype, **inner, **dict(attrs), rows=inner[cls.rows_field].shape[0])
+
+    def fast_path_layout(self) -> StateLayout | None:
+        # scales per row and column are no blockwise absmax: the fused kernels cannot read them
+        return None if self.rows else super().fast_path_layout()
