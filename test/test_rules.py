@@ -74,9 +74,9 @@ def test_the_c_step_refuses_a_rule_it_cannot_run(rule, match, error):
 
 
 @needs_c
-def test_the_c_step_takes_one_or_two_states():
-    rule = dataclasses.replace(RMSPROP_MOMENTUM, name="three", state_keys=("a", "b", "c"), signed=(True,) * 3)
-    with pytest.raises(NotImplementedError, match=r"rule 'three' carries 3 states \('a', 'b', 'c'\): .* one or two"):
+def test_the_c_step_takes_one_to_three_states():
+    rule = dataclasses.replace(RMSPROP_MOMENTUM, name="four", state_keys=("a", "b", "c", "d"), signed=(True,) * 4)
+    with pytest.raises(NotImplementedError, match=r"rule 'four' carries 4 states \('a', 'b', 'c', 'd'\): .* one to 3"):
         cpu_rule(rule)
 
 
