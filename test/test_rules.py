@@ -11,6 +11,7 @@ import torch
 
 from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
+from torchao_optim.optim import launch
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.rules import ADAGRAD, ADAM, LION, RMSPROP, RMSPROP_MOMENTUM, SGD, FusedRule, sgd_coefficients
 
@@ -60,7 +61,6 @@ def test_every_built_in_rule_is_in_the_c_steps_table():
 @pytest.mark.parametrize(
     "rule,match,error",
     [
-        (MADE_UP, r"'made_up' declares no C update", NotImplementedError),
         # the C function of a rule the package has, with other states: refused by the compiler, never run
         (
             dataclasses.replace(MADE_UP, c_source=ADAM.c_source, c_name=ADAM.c_name),
@@ -84,7 +84,6 @@ def test_the_c_step_takes_one_to_three_states():
 @pytest.mark.parametrize(
     "rule,match",
     [
-        (MADE_UP, r"'made_up' declares no Triton element update"),
         (
             dataclasses.replace(SGD, name="made_up", coefficient_names=("a",) * 5),
             r"'made_up' has 5 coefficients .* reads 4",
@@ -93,6 +92,31 @@ def test_the_c_step_takes_one_to_three_states():
 )
 def test_the_triton_kernels_refuse_a_rule_they_were_not_built_for(rule, match):
     _step_refused(True, rule, match)
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() or fused_available(DEVICE)), reason="no fused executor here")
+def test_a_rule_without_the_executors_form_takes_the_compiled_path():
+    """A rule that gives an executor nothing to run (no C update for the C step, no Triton update for the Triton
+    kernels) is not planned there: its parameters take the compiled path, which runs the optimizer's own update,
+    and explain() names what the rule lacks. The launches refuse it too, should a plan reach them."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4096, device=DEVICE)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = MadeUpSGD(params, lr=0.1, momentum=0.9, compile=False)
+    plain = SGD8bit(twins, lr=0.1, momentum=0.9, compile=False, fused=False)
+    lacks = "C update (FusedRule.c_source)" if DEVICE == "cpu" else "Triton element update"  # fused=None
+    assert f"not fused: rule 'made_up' has no {lacks}" in opt.explain()
+    for p, q in zip(params, twins):
+        p.grad = q.grad = torch.randn_like(p)
+    opt.step()
+    plain.step()
+    assert opt._plans[id(opt.param_groups[0])]["plans"] == []
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+    with pytest.raises(NotImplementedError, match="'made_up' declares no C update"):
+        cpu_rule(MADE_UP)
+    with pytest.raises(NotImplementedError, match="'made_up' declares no Triton element update"):
+        launch._triton_update(MADE_UP, 1, 4)
 
 
 def test_a_rules_signs_match_its_states():
