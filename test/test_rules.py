@@ -9,11 +9,25 @@ import dataclasses
 import pytest
 import torch
 
-from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit
+from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
 from torchao_optim.optim import launch
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.rules import ADAGRAD, ADAM, LION, RMSPROP, RMSPROP_MOMENTUM, SGD, FusedRule, sgd_coefficients
+from torchao_optim.rules import (
+    ADAGRAD,
+    ADAM,
+    ADAM_AMSGRAD,
+    ADEMAMIX,
+    BUILT_IN_RULES,
+    LION,
+    RMSPROP,
+    RMSPROP_CENTERED,
+    RMSPROP_CENTERED_MOMENTUM,
+    RMSPROP_MOMENTUM,
+    SGD,
+    FusedRule,
+    sgd_coefficients,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built")
@@ -50,7 +64,7 @@ def _step_refused(fused, rule, match, error=NotImplementedError):
 @needs_c
 def test_every_built_in_rule_is_in_the_c_steps_table():
     table = {name: (states, coefs) for name, states, coefs in cpu_rules()}
-    for rule in (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM):
+    for rule in BUILT_IN_RULES:
         assert table[rule.c_name] == (len(rule.state_keys), rule.n_coefs)
         lib, index = cpu_rule(rule)
         assert lib is cpu_kernels() and cpu_rules()[index][0] == rule.c_name  # built once, together
@@ -135,6 +149,11 @@ def test_a_rules_signs_match_its_states():
         (Adagrad8bit(params), ADAGRAD),
         (RMSprop8bit(params), RMSPROP),
         (RMSprop8bit(params, momentum=0.9), RMSPROP_MOMENTUM),
+        (RMSprop8bit(params, centered=True), RMSPROP_CENTERED),
+        (RMSprop8bit(params, momentum=0.9, centered=True), RMSPROP_CENTERED_MOMENTUM),
+        (AdamW(params, amsgrad=True), ADAM_AMSGRAD),
+        (Adam(params, amsgrad=True), ADAM_AMSGRAD),
+        (AdEMAMix8bit(params), ADEMAMIX),
     ):
         assert opt._fused_rule(opt.param_groups[0]) is rule
         assert tuple(opt._signed(k) for k in rule.state_keys) == rule.signed
