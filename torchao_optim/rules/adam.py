@@ -205,8 +205,11 @@ NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *
 }
 """
 _C_AMSGRAD_UPDATE = r"""
-NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in, float *restrict m,
-                                  float *restrict v, float *restrict vmax, int n, const float *c, int decoupled) {
+/* decoupled is a constant in each call (adam_amsgrad below): a branch on it inside the loop would be a blend */
+static inline __attribute__((always_inline)) void adam_amsgrad_loop(float *restrict p, const float *restrict g_in,
+                                                                   float *restrict m, float *restrict v,
+                                                                   float *restrict vmax, int n, const float *c,
+                                                                   int decoupled) {
     const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
     for (int i = 0; i < n; i++) {
         float g = g_in[i], pi = p[i];
@@ -217,7 +220,7 @@ NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in,
         else g = g + wd * pi;
         float m_new = m[i] + omb1 * (g - m[i]);
         float v_new = v[i] * beta2 + omb2 * g * g;
-        int ok = is_finite(m_new) ? (is_finite(v_new) ? fin : 0) : 0;
+        int ok = fin & is_finite(m_new) & is_finite(v_new);
         float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
         m[i] = mi;
         v[i] = vi;
@@ -228,6 +231,12 @@ NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in,
         float p_new = p_decayed - step_size * (mi / denom);
         p[i] = ok ? p_new : pi;
     }
+}
+
+NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v,
+                                  float *restrict vmax, int n, const float *c, int decoupled) {
+    if (decoupled) adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 1);
+    else adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 0);
 }
 """
 

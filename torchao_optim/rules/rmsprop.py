@@ -186,7 +186,7 @@ NOINLINE static void rmsprop_centered(float *restrict p, const float *restrict g
         g = g + wd * pi;
         float v_new = v[i] + oma * (g * g - v[i]);
         float a_new = a[i] + oma * (g - a[i]);
-        int ok = is_finite(v_new) ? (is_finite(a_new) ? fin : 0) : 0;
+        int ok = fin & is_finite(v_new) & is_finite(a_new);
         float var = v_new - a_new * a_new;
         float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
         float p_new = pi - lr * g / denom;
@@ -212,7 +212,7 @@ NOINLINE static void rmsprop_centered_momentum(float *restrict p, const float *r
         float var = v_new - a_new * a_new;
         float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
         float b_new = b[i] * momentum + g / denom;
-        int ok = is_finite(v_new) ? (is_finite(a_new) ? (is_finite(b_new) ? fin : 0) : 0) : 0;
+        int ok = fin & is_finite(v_new) & is_finite(a_new) & is_finite(b_new);
         v[i] = ok ? v_new : v[i];
         b[i] = ok ? b_new : b[i];
         a[i] = ok ? a_new : a[i];
