@@ -11,6 +11,8 @@ edit. Names:
   ``AdamWCompiled-<format>``: the same with ``fused=False`` (the per-parameter compiled path);
 - our named optimizers: ``AdamW8bit``, ``AdamDTQ8bit``, ``AdamWDTQ8bit``, ``Adam4bit``, ``AdamW4bit``,
   ``AdamFp8``, ``AdamWFp8``; ``AdamW8bitSR``: ``AdamW8bit(bf16_stochastic_round=True)`` (for bf16 params);
+- amsgrad: ``AdamW8bitAmsgrad`` (``AdamW8bit(amsgrad=True)``) beside ``AdamWAmsgradTorchFused`` and
+  ``AdamWAmsgradTorchForeach`` (``torch.optim.AdamW(amsgrad=True, fused=True)`` / ``(foreach=True)``);
 - peers, where installed: ``AdamBnb8bit``, ``AdamWBnb8bit`` (bitsandbytes), ``AdamWTorchao8bit``,
   ``AdamWTorchao4bit``, ``AdamWTorchaoFp8`` (torchao);
 - the other rules, each beside its full-precision form: ``SGD`` (``torch.optim.SGD``, momentum 0.9), ``SGD8bit``,
@@ -18,15 +20,16 @@ edit. Names:
   ``AdamWTorchQuantized`` (the same over
   ``torch.optim.AdamW(foreach=True)``), ``Lion`` / ``Lion8bit`` (``Lion8bit(state_format="none")`` / default),
   ``Muon`` / ``Muon8bit``, ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` / ``RMSprop8bit`` (momentum 0.9; torch's
-  with ``foreach=True``), ``AdEMAMix`` / ``AdEMAMix8bit`` (``AdEMAMix8bit(state_format="none")`` / default, with
-  its own betas), and bitsandbytes' ``SGDBnb8bit``, ``LionBnb8bit``, ``AdagradBnb8bit``, ``RMSpropBnb8bit`` and
-  ``AdEMAMixBnb8bit``; ``Adafactor`` (``torch.optim.Adafactor``, beside ``AdamW-factored``, whose second moment is
-  Adafactor's). A benchmark hands every
-  optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
+  with ``foreach=True``), centered: ``RMSpropCentered`` / ``RMSpropCentered8bit`` (momentum 0.9) and
+  ``RMSpropCenteredNoMomentum`` / ``RMSpropCenteredNoMomentum8bit``, ``AdEMAMix`` / ``AdEMAMix8bit``
+  (``AdEMAMix8bit(state_format="none")`` / default, with its own betas), and bitsandbytes' ``SGDBnb8bit``,
+  ``LionBnb8bit``, ``AdagradBnb8bit``, ``RMSpropBnb8bit`` and ``AdEMAMixBnb8bit``; ``Adafactor``
+  (``torch.optim.Adafactor``, beside ``AdamW-factored``, whose second moment is Adafactor's). A benchmark hands
+  every optimizer AdamW's learning rate; SGD's runs at 50x it and Lion's at a third (the Lion paper's advice, with
   weight decay 3x to keep ``lr * weight_decay``), Muon matches AdamW's update size
-  (``adjust_lr_fn="match_rms_adamw"``), Adagrad's runs at 10x it, RMSprop's at a tenth (momentum amplifies its
-  step tenfold), Adafactor's at :data:`ADAFACTOR_LR_SCALE` times it. The factor is the optimizer's ``lr_scale``, which
-  :func:`set_lr` applies.
+  (``adjust_lr_fn="match_rms_adamw"``), Adagrad's runs at 10x it, RMSprop's with momentum at a tenth (momentum
+  amplifies its step tenfold), Adafactor's at :data:`ADAFACTOR_LR_SCALE` times it. The factor is the optimizer's
+  ``lr_scale``, which :func:`set_lr` applies.
 
 Older names stay accepted (:data:`ALIASES`: ``torch_fused``, ``ours_<format>``, ``bnb``, ...). A benchmark-only
 module adds optimizers of its own with :func:`register_optimizer` (``benchmarks/fourbit_variants.py``).
@@ -225,6 +228,40 @@ def _other_rules() -> list[OptimizerEntry]:
             "dtq8",
         ),
         OptimizerEntry(
+            "RMSpropCentered",
+            "torch.optim.RMSprop(momentum=0.9, centered=True) (foreach)",
+            _scaled(
+                lambda ps, lr, wd, c: torch.optim.RMSprop(
+                    ps, lr=lr, momentum=0.9, centered=True, weight_decay=wd, foreach=True
+                ),
+                0.1,
+            ),
+        ),
+        OptimizerEntry(
+            "RMSpropCentered8bit",
+            "torchao_optim.RMSprop8bit(momentum=0.9, centered=True)",
+            _scaled(
+                lambda ps, lr, wd, c: o.RMSprop8bit(ps, lr=lr, momentum=0.9, centered=True, weight_decay=wd, compile=c),
+                0.1,
+            ),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "RMSpropCenteredNoMomentum",
+            "torch.optim.RMSprop(centered=True) (foreach)",
+            _scaled(
+                lambda ps, lr, wd, c: torch.optim.RMSprop(ps, lr=lr, centered=True, weight_decay=wd, foreach=True), 1
+            ),
+        ),
+        OptimizerEntry(
+            "RMSpropCenteredNoMomentum8bit",
+            "torchao_optim.RMSprop8bit(centered=True)",
+            _scaled(lambda ps, lr, wd, c: o.RMSprop8bit(ps, lr=lr, centered=True, weight_decay=wd, compile=c), 1),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
             "AdEMAMix",
             "torchao_optim.AdEMAMix8bit(state_format='none') (fp32 state)",
             lambda ps, lr, weight_decay, betas, eps, compile: o.AdEMAMix8bit(
@@ -327,6 +364,25 @@ def optimizer_table() -> dict[str, OptimizerEntry]:
             "dtq8",
         )
     )
+    entries += [
+        OptimizerEntry(
+            "AdamW8bitAmsgrad",
+            "torchao_optim.AdamW8bit(amsgrad=True)",
+            _ours(torchao_optim.AdamW8bit, amsgrad=True),
+            None,
+            "dtq8",
+        ),
+        OptimizerEntry(
+            "AdamWAmsgradTorchFused",
+            "torch.optim.AdamW(amsgrad=True, fused=True)",
+            _torch(torch.optim.AdamW, amsgrad=True, fused=True),
+        ),
+        OptimizerEntry(
+            "AdamWAmsgradTorchForeach",
+            "torch.optim.AdamW(amsgrad=True, foreach=True)",
+            _torch(torch.optim.AdamW, amsgrad=True, foreach=True),
+        ),
+    ]
     entries += _other_rules()
     table = {e.name: e for e in entries}
     return table | _REGISTERED

@@ -1,5 +1,5 @@
 """Adagrad8bit and RMSprop8bit beyond the conformance case: their argument checks, Adagrad's initial accumulator
-value, and centered RMSprop's path (three states: no fused kernel takes them)."""
+value, and centered RMSprop's states (its fused C step: test_cpu_step.py; its path: test_explain.py)."""
 
 import pytest
 import torch
@@ -64,23 +64,25 @@ def test_adagrad_sum_starts_at_the_initial_accumulator_value_in_every_format(fmt
         opt.state[p].clear()  # reset: created again from the group's value
 
 
-def test_centered_rmsprop_takes_the_compiled_path_and_says_why():
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_centered_rmsprop_keeps_grad_avg_signed(momentum):
     ps = params()
-    opt = RMSprop8bit(ps, momentum=0.9, centered=True, min_quant_size=0, compile=False)
-    assert "centered=True keeps a third state, grad_avg; the fused kernels take one or two" in opt.explain()
+    opt = RMSprop8bit(ps, momentum=momentum, centered=True, min_quant_size=0, compile=False)
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
-    assert opt._plans.get(id(opt.param_groups[0]), {}).get("plans", []) == []
-    assert set(opt.state[ps[0]]) == {"step", "square_avg", "momentum_buffer", "grad_avg"}
+    keys = {"square_avg", "grad_avg"} | ({"momentum_buffer"} if momentum else set())
+    assert set(opt.state[ps[0]]) == {"step"} | keys
+    signed = {k: min(opt.state[ps[0]][k].fast_path_layout().codebook) < 0 for k in keys}
+    assert signed == {k: k != "square_avg" for k in keys}  # square_avg on the unsigned map
 
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="offload_state needs CUDA")
 def test_offloaded_state_refuses_what_it_cannot_stream():
-    """Offloaded state streams through the fused CUDA kernels, which create it as zeros: centered RMSprop (no fused
+    """Offloaded state streams through the fused CUDA kernels, which create it as zeros: centered RMSprop (no Triton
     kernel) and a nonzero initial accumulator are refused by name."""
     ps = [p.cuda() for p in params()]
-    with pytest.raises(ValueError, match=r"offload_state=True needs the fused CUDA path.*centered=True"):
+    with pytest.raises(ValueError, match=r"offload_state=True needs the fused CUDA path.*'rmsprop_centered'"):
         RMSprop8bit(ps, centered=True, offload_state=True)
     with pytest.raises(ValueError, match=r"Invalid initial_accumulator_value value: 0\.1 with offload_state=True"):
         Adagrad8bit(ps, initial_accumulator_value=0.1, offload_state=True)

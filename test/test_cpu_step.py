@@ -15,7 +15,7 @@ import made_up_formats  # noqa: F401  (the test-only formats: codebooks written 
 import pytest
 import torch
 
-from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit, list_state_formats
+from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit, list_state_formats
 from torchao_optim.kernels import cpu
 from torchao_optim.state import QuantizedState, get_state_format
 
@@ -153,6 +153,45 @@ def test_adagrad_and_rmsprop_equal_compiled_path(name, fmt):
     make = ADAGRAD_RMSPROP[name]
     a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
     _train(a, b, oa, ob)
+    _assert_same_step(oa, ob, a, b)
+
+
+# Rules of three states (AdEMAMix, centered RMSprop with momentum, amsgrad), and centered RMSprop's two: in C only
+THREE_STATES = {
+    "ademamix": lambda ps, **kw: AdEMAMix8bit(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "ademamix-schedulers-maximize": lambda ps, **kw: AdEMAMix8bit(
+        ps, lr=1e-2, betas=(0.9, 0.99, 0.98), alpha=3.0, t_alpha=4, t_beta3=5, maximize=True, **kw
+    ),
+    "rmsprop-centered": lambda ps, **kw: RMSprop8bit(ps, lr=1e-3, weight_decay=1e-3, centered=True, **kw),
+    "rmsprop-centered-momentum": lambda ps, **kw: RMSprop8bit(
+        ps, lr=1e-3, alpha=0.9, momentum=0.9, centered=True, maximize=True, **kw
+    ),
+    "adamw-amsgrad": lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, **kw),
+    "adam-amsgrad-l2-maximize": lambda ps, **kw: Adam(ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True, **kw),
+}
+
+
+@pytest.mark.parametrize("fmt", ["dtq8", "4bit", "none"])
+@pytest.mark.parametrize("name", THREE_STATES)
+def test_three_state_rules_equal_compiled_path(name, fmt):
+    """Each state (the third included, and every state that depends on a square root: centered RMSprop's momentum
+    buffer) stored bit for bit as the compiled path stores it, a non-finite gradient element skipped alike
+    (_train's third step)."""
+    make = THREE_STATES[name]
+    a, b, oa, ob = _pair(lambda ps, **kw: make(ps, state_format=fmt, min_quant_size=256, **kw), torch.float32)
+    _train(a, b, oa, ob)
+    _assert_same_step(oa, ob, a, b)
+
+
+@pytest.mark.parametrize("name", ["ademamix", "rmsprop-centered-momentum", "adamw-amsgrad"])
+def test_three_state_rules_round_bf16_as_the_compiled_path(name):
+    """bf16 parameters and gradients, with stochastic rounding: the states bit for bit, the parameters as
+    _assert_same_step allows."""
+    make = THREE_STATES[name]
+    a, b, oa, ob = _pair(
+        lambda ps, **kw: make(ps, min_quant_size=256, bf16_stochastic_round=True, **kw), torch.bfloat16
+    )
+    _train(a, b, oa, ob, dtype=torch.bfloat16)
     _assert_same_step(oa, ob, a, b)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import torchao_optim
 from torchao_optim.kernels.cpu import cpu_kernels_available
+from torchao_optim.optim.fused import fused_available
 
 requires_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step cannot be built here")
 
@@ -48,8 +49,8 @@ def test_explain_matches_where_the_step_sends_each_parameter():
 def test_explain_names_the_setting_that_turns_the_fused_path_off():
     model = _model()
     assert "fused=False" in torchao_optim.AdamW8bit(model.parameters(), fused=False).explain()
-    text = torchao_optim.AdamW8bit(model.parameters(), amsgrad=True, compile=False).explain()
-    assert "eager (compile=False)" in text and "(amsgrad=True)" in text
+    text = torchao_optim.AdamW8bit(model.parameters(), fused=False, compile=False).explain()
+    assert "per-parameter path, eager (compile=False)" in text and "fused=False" in text
     text = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", min_quant_size=0).explain()
     assert "its state 'exp_avg_sq' (FourBitRank1Tensor) has no layout the fused kernels read" in text
     text = torchao_optim.SGD8bit(model.parameters(), momentum=0.0).explain()
@@ -107,3 +108,41 @@ def test_muon_says_why_its_matrices_are_not_fused():
     assert all(id(p) in fused for p in model.parameters() if p.dim() != 2)
     assert report.count("Muon orthogonalizes it") == 2, report  # the two Linear weights' lines
     assert "fused C step" in report and "(missing)" not in report
+
+
+# Rules with a C update and no Triton one: three states (the Triton kernels take one or two), and centered RMSprop
+# without momentum (two states, its update in C only): (make, rule, number of states)
+C_ONLY = [
+    (lambda ps, **kw: torchao_optim.AdEMAMix8bit(ps, **kw), "ademamix", 3),
+    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, momentum=0.9, centered=True, **kw), "rmsprop_centered_momentum", 3),
+    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, centered=True, **kw), "rmsprop_centered", 2),
+    (lambda ps, **kw: torchao_optim.AdamW8bit(ps, amsgrad=True, **kw), "adam_amsgrad", 3),
+]
+
+
+@requires_c
+@pytest.mark.parametrize("make,name,n_states", C_ONLY, ids=[name for _, name, _ in C_ONLY])
+def test_a_rule_in_c_only_is_fused_on_the_cpu_and_compiled_for_the_triton_kernels(make, name, n_states):
+    """On the CPU the C step runs it; for the Triton kernels (CUDA, here Triton's interpreter) its parameters take
+    the compiled path, explain() says why, and the step goes where explain() says."""
+    executors = [(None, "fused C step", None)]
+    if fused_available("cpu"):  # Triton's interpreter: the Triton kernels' planning, as on CUDA
+        if n_states > 2:
+            why = f"rule {name!r} carries {n_states} states"
+        else:
+            why = f"rule {name!r} has no Triton element update (FusedRule.triton_update)"
+        executors.append((True, "per-parameter path, eager", why))
+    for fused, executor, why in executors:
+        model = _model()
+        opt = make(model.parameters(), compile=False, fused=fused)
+        report = opt.explain()
+        assert opt._fused_rule(opt.param_groups[0]).name == name
+        model(torch.randn(4, 128)).sum().backward()
+        opt.step()
+        assert opt.explain() == report
+        for line in report.splitlines()[2:]:
+            assert line.startswith(f"  {executor}"), report
+            assert (why is None) == ("not fused" not in line), report
+            assert why is None or f"not fused: {why}" in line, report
+        n_fused = len(_fused_params(opt))
+        assert n_fused == (len(list(model.parameters())) if fused is None else 0)

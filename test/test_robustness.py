@@ -736,7 +736,7 @@ class TestProperties(expecttest.TestCase):
         not (a non-finite gradient, or a moment that overflows), our element does not move and stays finite."""
         kw = dict(lr=1e-2, weight_decay=0.01, amsgrad=amsgrad, maximize=maximize)
         p = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
-        # fused None: the fused CPU step (amsgrad aside); False: the compiled path's function, run eagerly
+        # fused None: the fused CPU step (amsgrad's three states too); False: the compiled path's function, eagerly
         opt = AdamW([p], compile=False, fused=fused, min_quant_size=0, block_size=64, **kw)
         for k, kind in enumerate(kinds):
             g = _values(kind, p.numel(), torch.float32, seed + k).view(shape)

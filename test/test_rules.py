@@ -9,10 +9,25 @@ import dataclasses
 import pytest
 import torch
 
-from torchao_optim import Adagrad8bit, Adam, AdamW, Lion8bit, RMSprop8bit, SGD8bit
+from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
+from torchao_optim.optim import launch
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.rules import ADAGRAD, ADAM, LION, RMSPROP, RMSPROP_MOMENTUM, SGD, FusedRule, sgd_coefficients
+from torchao_optim.rules import (
+    ADAGRAD,
+    ADAM,
+    ADAM_AMSGRAD,
+    ADEMAMIX,
+    BUILT_IN_RULES,
+    LION,
+    RMSPROP,
+    RMSPROP_CENTERED,
+    RMSPROP_CENTERED_MOMENTUM,
+    RMSPROP_MOMENTUM,
+    SGD,
+    FusedRule,
+    sgd_coefficients,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_c = pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built")
@@ -49,7 +64,7 @@ def _step_refused(fused, rule, match, error=NotImplementedError):
 @needs_c
 def test_every_built_in_rule_is_in_the_c_steps_table():
     table = {name: (states, coefs) for name, states, coefs in cpu_rules()}
-    for rule in (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM):
+    for rule in BUILT_IN_RULES:
         assert table[rule.c_name] == (len(rule.state_keys), rule.n_coefs)
         lib, index = cpu_rule(rule)
         assert lib is cpu_kernels() and cpu_rules()[index][0] == rule.c_name  # built once, together
@@ -60,7 +75,6 @@ def test_every_built_in_rule_is_in_the_c_steps_table():
 @pytest.mark.parametrize(
     "rule,match,error",
     [
-        (MADE_UP, r"'made_up' declares no C update", NotImplementedError),
         # the C function of a rule the package has, with other states: refused by the compiler, never run
         (
             dataclasses.replace(MADE_UP, c_source=ADAM.c_source, c_name=ADAM.c_name),
@@ -74,9 +88,9 @@ def test_the_c_step_refuses_a_rule_it_cannot_run(rule, match, error):
 
 
 @needs_c
-def test_the_c_step_takes_one_or_two_states():
-    rule = dataclasses.replace(RMSPROP_MOMENTUM, name="three", state_keys=("a", "b", "c"), signed=(True,) * 3)
-    with pytest.raises(NotImplementedError, match=r"rule 'three' carries 3 states \('a', 'b', 'c'\): .* one or two"):
+def test_the_c_step_takes_one_to_three_states():
+    rule = dataclasses.replace(RMSPROP_MOMENTUM, name="four", state_keys=("a", "b", "c", "d"), signed=(True,) * 4)
+    with pytest.raises(NotImplementedError, match=r"rule 'four' carries 4 states \('a', 'b', 'c', 'd'\): .* one to 3"):
         cpu_rule(rule)
 
 
@@ -84,7 +98,6 @@ def test_the_c_step_takes_one_or_two_states():
 @pytest.mark.parametrize(
     "rule,match",
     [
-        (MADE_UP, r"'made_up' declares no Triton element update"),
         (
             dataclasses.replace(SGD, name="made_up", coefficient_names=("a",) * 5),
             r"'made_up' has 5 coefficients .* reads 4",
@@ -93,6 +106,31 @@ def test_the_c_step_takes_one_or_two_states():
 )
 def test_the_triton_kernels_refuse_a_rule_they_were_not_built_for(rule, match):
     _step_refused(True, rule, match)
+
+
+@pytest.mark.skipif(not (cpu_kernels_available() or fused_available(DEVICE)), reason="no fused executor here")
+def test_a_rule_without_the_executors_form_takes_the_compiled_path():
+    """A rule that gives an executor nothing to run (no C update for the C step, no Triton update for the Triton
+    kernels) is not planned there: its parameters take the compiled path, which runs the optimizer's own update,
+    and explain() names what the rule lacks. The launches refuse it too, should a plan reach them."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4096, device=DEVICE)) for _ in range(2)]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = MadeUpSGD(params, lr=0.1, momentum=0.9, compile=False)
+    plain = SGD8bit(twins, lr=0.1, momentum=0.9, compile=False, fused=False)
+    lacks = "C update (FusedRule.c_source)" if DEVICE == "cpu" else "Triton element update"  # fused=None
+    assert f"not fused: rule 'made_up' has no {lacks}" in opt.explain()
+    for p, q in zip(params, twins):
+        p.grad = q.grad = torch.randn_like(p)
+    opt.step()
+    plain.step()
+    assert opt._plans[id(opt.param_groups[0])]["plans"] == []
+    for p, q in zip(params, twins):
+        assert torch.equal(p, q)
+    with pytest.raises(NotImplementedError, match="'made_up' declares no C update"):
+        cpu_rule(MADE_UP)
+    with pytest.raises(NotImplementedError, match="'made_up' declares no Triton element update"):
+        launch._triton_update(MADE_UP, 1, 4)
 
 
 def test_a_rules_signs_match_its_states():
@@ -111,6 +149,11 @@ def test_a_rules_signs_match_its_states():
         (Adagrad8bit(params), ADAGRAD),
         (RMSprop8bit(params), RMSPROP),
         (RMSprop8bit(params, momentum=0.9), RMSPROP_MOMENTUM),
+        (RMSprop8bit(params, centered=True), RMSPROP_CENTERED),
+        (RMSprop8bit(params, momentum=0.9, centered=True), RMSPROP_CENTERED_MOMENTUM),
+        (AdamW(params, amsgrad=True), ADAM_AMSGRAD),
+        (Adam(params, amsgrad=True), ADAM_AMSGRAD),
+        (AdEMAMix8bit(params), ADEMAMIX),
     ):
         assert opt._fused_rule(opt.param_groups[0]) is rule
         assert tuple(opt._signed(k) for k in rule.state_keys) == rule.signed

@@ -67,6 +67,7 @@ NATIVE = ["-march=native"]
 # decode and the encoder are table loads, and measured 1.7x faster with gathers (GCC only: tried first).
 GATHER = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
 CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+MAX_STATES = 3  # a rule's states the C step carries at most (cpu_step.c's MAX_STATES)
 KINDS = {32: 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c by its layout's bits: plain fp32, or codes of 4 or 8 bits
 
 
@@ -162,10 +163,11 @@ def step_source(rules) -> str:
         parts.append(f'#line 1 "{name} (FusedRule.c_source)"\n{source.strip()}\n')
     parts.append('#line 1 "kernels/cpu.py: the table of rules"\n')
     for i, (name, n_states, _, _) in enumerate(rules):
-        states = "s0" if n_states == 1 else "s0, s1"
+        states = ", ".join(f"s{k}" for k in range(n_states))
+        unused = "".join(f"    (void)s{k};\n" for k in range(n_states, MAX_STATES))  # the buffers it has not
         parts.append(
-            f"static void rule_{i}(const Job *job, float *p, const float *g, float *s0, float *s1, int n, "
-            f"const float *c) {{\n    (void)s1;\n    {name}(p, g, {states}, n, c, job->option);\n}}\n"
+            f"static void rule_{i}(const Job *job, float *p, const float *g, float *s0, float *s1, float *s2, int n, "
+            f"const float *c) {{\n{unused}    {name}(p, g, {states}, n, c, job->option);\n}}\n"
         )
     entries = "".join(
         f'    {{"{name}", {n_states}, {n_coefs}, rule_{i}}},\n' for i, (name, n_states, n_coefs, _) in enumerate(rules)
@@ -237,7 +239,7 @@ def _load(rules) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(compiler, step_source(rules))))
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * 2 + [i32] * 10 + [i64]
+    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * MAX_STATES + [i32] * 10 + [i64]
     fn.restype = i32
     lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
     lib.torchao_optim_cpu_encode.restype = None
@@ -311,16 +313,16 @@ def cpu_rule(rule) -> tuple[ctypes.CDLL, int]:
     """``(library, index)``: the C step that runs ``rule`` (a :class:`~torchao_optim.rules.FusedRule`) and the
     rule's index in its table: the package's library for a package rule, else one built with the rule's C source
     (on first use; a compiler's error raises RuntimeError naming the rule). Raises NotImplementedError, naming the
-    rule, for one without a C update or with other than one or two states."""
+    rule, for one without a C update or with more than three states."""
     if rule.c_source is None:
         raise NotImplementedError(
             f"rule {rule.name!r} declares no C update (FusedRule.c_source): the fused CPU step cannot run it; "
             f"give it one (docs/adding-a-rule.md), or leave its parameters to the compiled path (fused=False)"
         )
-    if len(rule.state_keys) not in (1, 2):
+    if not 1 <= len(rule.state_keys) <= MAX_STATES:
         raise NotImplementedError(
             f"rule {rule.name!r} carries {len(rule.state_keys)} states {rule.state_keys}: the fused CPU step takes "
-            f"one or two"
+            f"one to {MAX_STATES}"
         )
     key = _c_rule(rule)
     if key in _BUILT_IN_KEYS:

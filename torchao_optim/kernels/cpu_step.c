@@ -4,7 +4,8 @@
  * tensor: the parameter, then the codes or fp32 values and the scales of each state), the same coefficient
  * rows, the same codebook and O(1) encoder tables (quant/codec.py), so it stores the codes the compiled path
  * stores for the same values. It knows no format: a state is plain fp32 (kind 0) or codes of 8 or 4 bits
- * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each.
+ * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each. A rule
+ * carries one, two or three states (the Triton kernels take one or two).
  *
  * Each quantization block is worked in passes over small buffers that stay in L1: decode the states (and
  * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
@@ -31,6 +32,7 @@
 #endif
 
 #define MAX_BLOCK 4096
+#define MAX_STATES 3 /* a rule's states: one (SGD), two (Adam), three (AdEMAMix, centered RMSprop, amsgrad) */
 /* each loop in a function of its own: inlined, its restrict-qualified pointers would stop meaning anything */
 #define NOINLINE __attribute__((noinline))
 
@@ -299,12 +301,12 @@ typedef struct {
     const float *coefs;        /* (n, n_coefs) */
     const float *steps;        /* (n,): advanced step counts (stochastic rounding's key) */
     const int64_t *round_info; /* (n, 2): position in the optimizer, element offset */
-    const float *values[2];    /* per state: the codebook (decode table) */
-    int kinds[2];
+    const float *values[MAX_STATES]; /* per state: the codebook (decode table) */
+    int kinds[MAX_STATES];
     int n_states, n_coefs, block, rule, param_dtype, grad_dtype;
     int option, maximize, sr;  /* option: the rule's (FusedRule.option), passed to its update */
     const int64_t *first_block; /* (n + 1,): prefix sums of blocks per tensor */
-    Encoder encoders[2];        /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
+    Encoder encoders[MAX_STATES]; /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
 } Job;
 
 /* ---- the update rules ---------------------------------------------------------------------------------
@@ -313,9 +315,11 @@ typedef struct {
    each followed by a wrapper of the form update_fn, and the table RULES of them: {name, number of states, number of
    coefficients, wrapper}. The launch passes a rule's index in that table; the step checks its states and
    coefficients against it. A rule's update takes fp32 arrays of n elements and updates them in place: one state,
-   (p, g, s, n, c, option); two, (p, g, m, v, n, c, option); c is the tensor's row of coefficients, option the
-   rule's one setting. It may use NOINLINE and is_finite above. */
-typedef void (*update_fn)(const Job *job, float *p, const float *g, float *s0, float *s1, int n, const float *c);
+   (p, g, s, n, c, option); two, (p, g, m, v, n, c, option); three, (p, g, s0, s1, s2, n, c, option); c is the
+   tensor's row of coefficients, option the rule's one setting. It may use NOINLINE and is_finite above. The
+   wrapper passes the states the rule has: the buffers of the others are never read or written. */
+typedef void (*update_fn)(const Job *job, float *p, const float *g, float *s0, float *s1, float *s2, int n,
+                          const float *c);
 /* TORCHAO_OPTIM_RULES */
 #define N_RULES ((int)(sizeof(RULES) / sizeof(RULES[0])))
 
@@ -325,11 +329,12 @@ int torchao_optim_cpu_rule_states(int rule) { return rule >= 0 && rule < N_RULES
 int torchao_optim_cpu_rule_coefs(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].n_coefs : -1; }
 
 /* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
-static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1) {
+static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1,
+                      float *S2) {
     const int64_t *row = job->ptrs + t * (1 + 2 * job->n_states);
     int64_t start = blk * job->block, left = job->numels[t] - start;
     int n = left < job->block ? (int)left : job->block;
-    float *S[2] = {S0, S1};
+    float *S[MAX_STATES] = {S0, S1, S2};
     /* fp32 parameters and gradients are updated where they are; other dtypes through the buffers */
     int direct_p = job->param_dtype == F32, direct_g = job->grad_dtype == F32 && !job->maximize;
     float *p = direct_p ? (float *)row[0] + start : P;
@@ -339,7 +344,7 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     for (int k = 0; k < job->n_states; k++)
         decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k]);
     const float *c = job->coefs + t * job->n_coefs;
-    RULES[job->rule].update(job, p, g, S0, S1, n, c);
+    RULES[job->rule].update(job, p, g, S0, S1, S2, n, c);
     if (!direct_p) {
         uint32_t key = 0;
         int64_t offset = 0;
@@ -361,12 +366,12 @@ typedef struct {
 static void *run_range(void *arg) {
     const Range *r = (const Range *)arg;
     const Job *job = r->job;
-    float P[MAX_BLOCK], G[MAX_BLOCK], S0[MAX_BLOCK], S1[MAX_BLOCK];
+    float P[MAX_BLOCK], G[MAX_BLOCK], S0[MAX_BLOCK], S1[MAX_BLOCK], S2[MAX_BLOCK]; /* 80 KB of stack */
     int64_t t = 0;
     while (job->first_block[t + 1] <= r->lo) t++; /* the tensor holding block lo */
     for (int64_t b = r->lo; b < r->hi; b++) {
         while (job->first_block[t + 1] <= b) t++;
-        run_block(job, t, b - job->first_block[t], P, G, S0, S1);
+        run_block(job, t, b - job->first_block[t], P, G, S0, S1, S2);
     }
     return NULL;
 }
@@ -404,6 +409,7 @@ int torchao_optim_cpu_step(
     const float *steps, const int64_t *round_info,
     const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0,
     const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1,
+    const float *values2, const int32_t *level1_2, const int32_t *level2_2, int kind2,
     int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
     int option, int maximize, int sr, int n_threads, int64_t min_blocks_per_thread) {
     if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
@@ -414,11 +420,12 @@ int torchao_optim_cpu_step(
     for (int64_t t = 0; t < n_tensors; t++) first_block[t + 1] = first_block[t] + (numels[t] + block - 1) / block;
     int64_t total = first_block[n_tensors];
     Job job = {n_tensors, ptrs, grad_ptrs, numels, coefs, steps, round_info,
-               {values0, values1}, {kind0, kind1},
+               {values0, values1, values2}, {kind0, kind1, kind2},
                n_states, n_coefs, block, rule, param_dtype, grad_dtype, option, maximize, sr,
                first_block};
     make_encoder(&job.encoders[0], level1_0, level2_0);
     make_encoder(&job.encoders[1], level1_1, level2_1);
+    make_encoder(&job.encoders[2], level1_2, level2_2);
     int64_t useful = min_blocks_per_thread > 0 ? total / min_blocks_per_thread : total;
     int threads = n_threads < 1 ? 1 : n_threads;
     if (threads > useful) threads = useful < 1 ? 1 : (int)useful;

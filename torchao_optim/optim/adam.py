@@ -14,7 +14,7 @@ from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled_path import flat_aliases
 from torchao_optim.optim.sharded import is_dtensor, like_param
-from torchao_optim.rules import ADAM, adam_coefficients, adam_update
+from torchao_optim.rules import ADAM, ADAM_AMSGRAD, adam_coefficients, adam_update
 from torchao_optim.state import QuantizedState
 
 __all__ = [
@@ -108,9 +108,10 @@ class Adam(LowBitOptimizer):
         compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
             warning, where compiling is impossible. Default: ``True``.
         fused (bool, optional): update each parameter group with one multi-tensor call per device, dtype and
-            pair of state layouts: every format with a ``fast_path_layout()``, and fp32 state (not amsgrad):
-            a Triton launch on CUDA, the fused C step on the CPU (built on first use; without a C compiler
-            CPU parameters take the compiled path, with one warning). Other parameters take the
+            pair of state layouts: every format with a ``fast_path_layout()``, and fp32 state: a Triton launch
+            on CUDA (not amsgrad, whose third state it does not take), the fused C step on the CPU (amsgrad
+            included; built on first use; without a C compiler CPU parameters take the compiled path, with one
+            warning). Other parameters take the
             per-parameter compiled path. ``None`` and ``True`` use it wherever it runs; ``True`` with
             ``TRITON_INTERPRET=1`` set runs the Triton kernels on the CPU in Triton's interpreter instead
             (slow: for testing); ``False`` turns it off. Default: ``None``.
@@ -203,10 +204,7 @@ class Adam(LowBitOptimizer):
         return adam_coefficients(steps, hp, group["decoupled_weight_decay"])  # (n, 7) float64
 
     def _fused_rule(self, group):
-        return None if group["amsgrad"] else ADAM
-
-    def _unfused_reason(self, group) -> str:
-        return "amsgrad=True"
+        return ADAM_AMSGRAD if group["amsgrad"] else ADAM
 
     def _launch_flags(self, group):
         return dict(decoupled=group["decoupled_weight_decay"], maximize=group["maximize"])

@@ -11,7 +11,7 @@ from torch.optim.optimizer import ParamsT
 from torchao_optim.optim.base import LowBitOptimizer, storage_args
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled_path import flat_aliases
-from torchao_optim.rules import ademamix_coefficients, ademamix_update
+from torchao_optim.rules import ADEMAMIX, ademamix_coefficients, ademamix_update
 
 __all__ = ["AdEMAMix8bit"]
 
@@ -43,11 +43,12 @@ def _check(lr, betas, alpha, t_alpha, t_beta3, eps, weight_decay) -> None:
 
 
 @storage_args(
-    fused="as :class:`Adam`'s; no fused kernel runs AdEMAMix yet, so every parameter takes the compiled path "
-    "whatever its value. Default: ``None``.",
+    fused="as :class:`Adam`'s: the fused C step on the CPU; on CUDA no fused kernel runs AdEMAMix yet, so its "
+    "parameters take the compiled path there whatever its value. Default: ``None``.",
     capturable="needs every parameter on the fused CUDA path, which AdEMAMix does not have yet: ``True`` raises "
     "``ValueError`` at the first step. Default: ``False``.",
-    offload_state="refused (``ValueError``): offloaded state streams through the fused kernels. Default: ``False``.",
+    offload_state="refused (``ValueError``): offloaded state streams through the fused CUDA kernels. Default: "
+    "``False``.",
 )
 class AdEMAMix8bit(LowBitOptimizer):
     r"""AdEMAMix (Pagliardini, Ablin & Grangier 2024, "The AdEMAMix Optimizer: Better, Faster, Older") with its
@@ -70,8 +71,9 @@ class AdEMAMix8bit(LowBitOptimizer):
     ``min_quant_size`` elements, and ``state_format="none"``, keep plain state. A non-finite gradient element, or
     one whose states would overflow, is skipped: its parameter and states keep their values.
 
-    Three states: no fused kernel takes them, so every parameter runs on the per-parameter compiled path, as
-    ``explain()`` says, and ``offload_state`` is refused.
+    Three states: on the CPU the fused C step runs them (the compiled path's codes, bit for bit); the Triton kernels
+    take one or two, so on CUDA every parameter runs on the per-parameter compiled path, as ``explain()`` says, and
+    ``offload_state`` is refused.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups.
@@ -172,8 +174,11 @@ class AdEMAMix8bit(LowBitOptimizer):
     def _coefficients(self, steps, hp, group):
         return ademamix_coefficients(steps, hp)
 
-    def _unfused_reason(self, group) -> str:
-        return "AdEMAMix keeps three states, exp_avg, exp_avg_slow and exp_avg_sq; the fused kernels take one or two"
+    def _fused_rule(self, group):
+        return ADEMAMIX
+
+    def _launch_flags(self, group):
+        return dict(maximize=group["maximize"])
 
     def _step_one(self, p: Tensor, state, group, coefs: Tensor, round_key=None) -> None:
         with flat_aliases(p, p.grad, [state[k] for k in self.STATE_KEYS]) as (p, grad, (m1, m2, nu)):

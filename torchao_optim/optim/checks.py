@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import Tensor
 
-from torchao_optim.optim.fused import fused_available
+from torchao_optim.optim.fused import fused_available, triton_refusal
 from torchao_optim.optim.sharded import is_dtensor
 from torchao_optim.state import get_state_format
 
@@ -160,11 +160,13 @@ def check_group(optimizer, group: dict[str, Any], index: int) -> None:
         check_storage(group["block_size"], group["min_quant_size"])
         if group["state_format"] != "none":
             get_state_format(group["state_format"])  # raises ValueError naming the registered formats
-        if optimizer._offload_state and optimizer._state_keys(group) and optimizer._fused_rule(group) is None:
-            raise ValueError(
-                f"offload_state=True needs the fused CUDA path, which no kernel gives this "
-                f"group's settings ({optimizer._unfused_reason(group)})"
-            )
+        if optimizer._offload_state and optimizer._state_keys(group):
+            rule = optimizer._fused_rule(group)
+            why = optimizer._unfused_reason(group) if rule is None else triton_refusal(rule)
+            if why is not None:
+                raise ValueError(
+                    f"offload_state=True needs the fused CUDA path, which no kernel gives this group's settings ({why})"
+                )
     except ValueError as err:
         raise ValueError(f"param group {index}: {err}") from None
     if group["state_format"] != "none":

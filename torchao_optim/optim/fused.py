@@ -14,8 +14,9 @@ the local parameter, gradient and states (whole blocks on every rank, see :mod:`
 
 On the CPU a plan is the same data, run by one call of the C step (:mod:`torchao_optim.kernels.cpu`); with
 ``fused=True`` and ``TRITON_INTERPRET=1`` set before Triton is imported, by the Triton kernels in Triton's
-interpreter instead (slow, and meant for testing). Parameters no plan covers (amsgrad, a format without a
-layout, non-contiguous tensors, devices with neither executor) take the per-parameter compiled path.
+interpreter instead (slow, and meant for testing). Parameters no plan covers (a format without a layout,
+non-contiguous tensors, devices with neither executor, a rule the executor has no form of: on CUDA, the rules of three
+states) take the per-parameter compiled path.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.rules import FusedRule
 from torchao_optim.state.layout import PLAIN_FP32
 
-__all__ = ["fused_available", "GroupPlan", "plan_group", "check_state_shapes"]
+__all__ = ["fused_available", "GroupPlan", "plan_group", "check_state_shapes", "triton_refusal"]
 
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
@@ -142,6 +143,18 @@ def fused_executor(p: Tensor, interpreter: bool = False) -> str:
     return "cpu" if p.device.type == "cpu" and not (interpreter and triton_interpreter()) else "triton"
 
 
+def triton_refusal(rule: FusedRule) -> str | None:
+    """Why the Triton kernels cannot run ``rule`` (they take one or two states, through its Triton element update),
+    or None where they can: its parameters then take the compiled path on CUDA, whatever the C step takes."""
+    n = len(rule.state_keys)
+    if n > 2:
+        on_cpu = " (the fused C step takes it on the CPU)" if rule.c_source is not None else ""
+        return f"rule {rule.name!r} carries {n} states {rule.state_keys}; the Triton kernels take one or two{on_cpu}"
+    if rule.triton_update is None:
+        return f"rule {rule.name!r} has no Triton element update (FusedRule.triton_update)"
+    return None
+
+
 def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter: bool) -> tuple:
     """``(why not, executor, the states' layouts)``; ``why not`` is None where a fused kernel takes ``p``."""
     if rule is None:
@@ -157,9 +170,14 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
         dtypes = cpu_dtypes()  # empty where the step could not be built
         if not dtypes:
             return "the fused CPU step could not be built here (python -m torchao_optim says why)", executor, None
+        if rule.c_source is None:
+            return f"rule {rule.name!r} has no C update (FusedRule.c_source) for the fused CPU step", executor, None
     else:
         if not fused_available(p.device):
             return f"no fused kernel runs on {p.device.type} here (Triton and a CUDA device)", executor, None
+        why = triton_refusal(rule)
+        if why is not None:
+            return why, executor, None
         from torchao_optim.kernels.triton_adam import TRITON_DTYPES
 
         dtypes = TRITON_DTYPES

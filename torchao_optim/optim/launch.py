@@ -11,9 +11,12 @@ element update in each family's form (Triton's, C's) and its coefficients. Three
 - Triton, one state (SGD, Lion, Adagrad, RMSprop): the step counts advance and the rule's coefficient function
   writes the rows (a few small torch launches), then ``momentum_kernel`` with the rule's element update.
 - CPU: each state's own step count advances, the rule's coefficient function writes the rows, then one call of
-  the C step (``kernels/cpu_step.c``, built with the rule's C update: ``kernels.cpu.cpu_rule``) runs it.
+  the C step (``kernels/cpu_step.c``, built with the rule's C update: ``kernels.cpu.cpu_rule``) runs it; it takes
+  one to three states (AdEMAMix, centered RMSprop and Adam with amsgrad carry three).
 
-A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks.
+A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks (the
+planner, ``fused.py``, leaves such a rule's parameters to the compiled path before they get here: a rule of three
+states, or with no Triton update, takes the C step on the CPU and the compiled path on CUDA).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
-from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, cpu_rule
+from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, MAX_STATES, cpu_rule
 from torchao_optim.state.layout import PLAIN_FP32
 
 __all__ = ["run"]
@@ -175,8 +178,8 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
     torch._foreach_add_(steps, 1)
     plan.steps = torch.stack(steps).to(torch.float32)
     plan.coefs.copy_(rule.coefficients(plan.steps, hyperparams, option))
-    args = []  # per state slot: decode table, level1, level2, kind (an absent second state: NULLs, fp32)
-    for k in range(2):
+    args = []  # per state slot: decode table, level1, level2, kind (a slot the rule does not use: NULLs, fp32)
+    for k in range(MAX_STATES):
         if k < len(plan.layouts):
             layout = plan.layouts[k]
             args += [t.data_ptr() for t in plan.tables[3 * k : 3 * k + 3]]

@@ -9,7 +9,14 @@ from torch.optim.optimizer import ParamsT
 from torchao_optim.optim.base import LowBitOptimizer, storage_args
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled_path import flat_aliases
-from torchao_optim.rules import RMSPROP, RMSPROP_MOMENTUM, rmsprop_coefficients, rmsprop_update
+from torchao_optim.rules import (
+    RMSPROP,
+    RMSPROP_CENTERED,
+    RMSPROP_CENTERED_MOMENTUM,
+    RMSPROP_MOMENTUM,
+    rmsprop_coefficients,
+    rmsprop_update,
+)
 
 __all__ = ["RMSprop8bit"]
 
@@ -45,9 +52,10 @@ class RMSprop8bit(LowBitOptimizer):
     one whose states would overflow, is skipped: its parameter and states keep their values.
 
     The fused kernels (Triton's on CUDA, the fused C step on the CPU) run a group with one state (momentum 0) or
-    two (momentum > 0). ``centered=True`` keeps three, which no fused kernel takes: such a group runs on the
-    per-parameter compiled path, as ``explain()`` says, and cannot be offloaded. Centered, ``v - a * a`` below 0
-    (a rounding or quantization error: it is never negative in exact arithmetic) is taken as 0.
+    two (momentum > 0). ``centered=True`` adds ``grad_avg``: the fused C step runs it (two states, or three with
+    momentum); the Triton kernels do not, so on CUDA such a group runs on the per-parameter compiled path, as
+    ``explain()`` says, and cannot be offloaded. Centered, ``v - a * a`` below 0 (a rounding or quantization error:
+    it is never negative in exact arithmetic) is taken as 0.
 
     Args:
         params (iterable): parameters or dicts defining parameter groups.
@@ -136,11 +144,8 @@ class RMSprop8bit(LowBitOptimizer):
 
     def _fused_rule(self, group):
         if group["centered"]:
-            return None
+            return RMSPROP_CENTERED_MOMENTUM if group["momentum"] > 0 else RMSPROP_CENTERED
         return RMSPROP_MOMENTUM if group["momentum"] > 0 else RMSPROP
-
-    def _unfused_reason(self, group) -> str:
-        return "centered=True keeps a third state, grad_avg; the fused kernels take one or two"
 
     def _launch_flags(self, group):
         return dict(maximize=group["maximize"])

@@ -4,13 +4,15 @@ language (made a ``@triton.jit`` function when a Triton kernel first asks for it
 Triton) and in C (source text the C step is built with). Imports no optimizer and no kernel."""
 
 from torchao_optim.rules.adagrad import ADAGRAD, ADAGRAD_COEFS, adagrad_coefficients, adagrad_update
-from torchao_optim.rules.adam import ADAM, COEFS, adam_coefficients, adam_update
-from torchao_optim.rules.ademamix import ADEMAMIX_COEFS, ademamix_coefficients, ademamix_update
+from torchao_optim.rules.adam import ADAM, ADAM_AMSGRAD, COEFS, adam_coefficients, adam_update
+from torchao_optim.rules.ademamix import ADEMAMIX, ADEMAMIX_COEFS, ademamix_coefficients, ademamix_update
 from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
 from torchao_optim.rules.lion import LION, LION_COEFS, lion_coefficients, lion_update
 from torchao_optim.rules.muon import MUON_COEFS, muon_coefficients, muon_momentum
 from torchao_optim.rules.rmsprop import (
     RMSPROP,
+    RMSPROP_CENTERED,
+    RMSPROP_CENTERED_MOMENTUM,
     RMSPROP_COEFS,
     RMSPROP_MOMENTUM,
     RMSPROP_MOMENTUM_COEFS,
@@ -21,7 +23,18 @@ from torchao_optim.rules.sgd import SGD, SGD_COEFS, sgd_coefficients, sgd_update
 
 # The package's fused rules: the C step is built with theirs once (kernels/cpu.py); another rule gets a build of its
 # own on first use.
-BUILT_IN_RULES = (ADAM, SGD, LION, ADAGRAD, RMSPROP, RMSPROP_MOMENTUM)
+BUILT_IN_RULES = (
+    ADAM,
+    SGD,
+    LION,
+    ADAGRAD,
+    RMSPROP,
+    RMSPROP_MOMENTUM,
+    ADAM_AMSGRAD,
+    RMSPROP_CENTERED,
+    RMSPROP_CENTERED_MOMENTUM,
+    ADEMAMIX,
+)
 
 __all__ = [
     "FusedRule",
@@ -32,6 +45,10 @@ __all__ = [
     "ADAGRAD",
     "RMSPROP",
     "RMSPROP_MOMENTUM",
+    "ADAM_AMSGRAD",
+    "RMSPROP_CENTERED",
+    "RMSPROP_CENTERED_MOMENTUM",
+    "ADEMAMIX",
     "COEFS",
     "SGD_COEFS",
     "LION_COEFS",

@@ -1,6 +1,8 @@
 """Adam and AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019): the rule's coefficients, its update in plain tensor
 code that does not know the state's format, and :data:`ADAM`, the rule as the fused kernels take it: with the same
-update in Triton's language (``adam_tile_update``, and Adam's coefficients kernel) and in C.
+update in Triton's language (``adam_tile_update``, and Adam's coefficients kernel) and in C. With amsgrad,
+:data:`ADAM_AMSGRAD` (a third state, ``max_exp_avg_sq``), with its update in C only: the fused C step runs it, and
+on CUDA it takes the per-parameter compiled path.
 
 The states may be plain fp32 tensors or any :class:`~torchao_optim.state.QuantizedState`: reading one
 (``lerp``, ``mul``, ``where``) dequantizes it, ``copy_`` into it requantizes. Under ``torch.compile`` the
@@ -21,7 +23,7 @@ if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not
     import triton.language as tl
     from triton.language.extra.cuda import gdc_launch_dependents
 
-__all__ = ["ADAM", "COEFS", "adam_coefficients", "adam_update"]
+__all__ = ["ADAM", "ADAM_AMSGRAD", "COEFS", "adam_coefficients", "adam_update"]
 
 
 # Columns of the coefficient table both executors read, one row per parameter.
@@ -202,6 +204,41 @@ NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *
     }
 }
 """
+_C_AMSGRAD_UPDATE = r"""
+/* decoupled is a constant in each call (adam_amsgrad below): a branch on it inside the loop would be a blend */
+static inline __attribute__((always_inline)) void adam_amsgrad_loop(float *restrict p, const float *restrict g_in,
+                                                                   float *restrict m, float *restrict v,
+                                                                   float *restrict vmax, int n, const float *c,
+                                                                   int decoupled) {
+    const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float p_decayed = pi;
+        if (decoupled) p_decayed = pi * wd;
+        else g = g + wd * pi;
+        float m_new = m[i] + omb1 * (g - m[i]);
+        float v_new = v[i] * beta2 + omb2 * g * g;
+        int ok = fin & is_finite(m_new) & is_finite(v_new);
+        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
+        m[i] = mi;
+        v[i] = vi;
+        /* torch.maximum of the old maximum and v, a skipped element's too (both finite) */
+        float top = vmax[i] < vi ? vi : vmax[i];
+        vmax[i] = top;
+        float denom = sqrtf(top) * inv_bc2 + eps;
+        float p_new = p_decayed - step_size * (mi / denom);
+        p[i] = ok ? p_new : pi;
+    }
+}
+
+NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v,
+                                  float *restrict vmax, int n, const float *c, int decoupled) {
+    if (decoupled) adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 1);
+    else adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 0);
+}
+"""
 
 
 ADAM = FusedRule(
@@ -217,4 +254,14 @@ ADAM = FusedRule(
     ),
     c_source=_C_UPDATE,
     c_name="adam",
+)
+ADAM_AMSGRAD = FusedRule(
+    "adam_amsgrad",
+    ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    (True, False, False),
+    COEFS,
+    adam_coefficients,
+    option="decoupled",
+    c_source=_C_AMSGRAD_UPDATE,
+    c_name="adam_amsgrad",
 )

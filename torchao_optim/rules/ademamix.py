@@ -8,18 +8,18 @@ The paper's schedulers enter as per-step coefficients: alpha warms up linearly o
 from beta1 to its final value over ``t_beta3`` steps along the paper's curve, which keeps the slow EMA's half-life
 growing linearly.
 
-No fused kernel takes three states yet: the optimizer runs on the per-parameter compiled path, where non-finite
-gradient elements are skipped as by every rule (:mod:`torchao_optim.rules.base`), and so is an element whose new
-state would overflow.
+Non-finite gradient elements are skipped as by every rule (:mod:`torchao_optim.rules.base`), and so is an element
+whose new state would overflow. :data:`ADEMAMIX` is the rule as the fused C step takes it, with its update in C; the
+Triton kernels take one or two states, so on CUDA it runs on the per-parameter compiled path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchao_optim.rules.base import finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, store_param
 
-__all__ = ["ADEMAMIX_COEFS", "ademamix_coefficients", "ademamix_update"]
+__all__ = ["ADEMAMIX", "ADEMAMIX_COEFS", "ademamix_coefficients", "ademamix_update"]
 
 ADEMAMIX_COEFS = (
     "lr",
@@ -96,3 +96,41 @@ def ademamix_update(
     denom = nu.sqrt() * inv_bc2 + eps
     p_new = p * decay - lr * ((m1 * inv_bc1 + alpha * m2) / denom)
     store_param(param, torch.where(ok, p_new, p), round_key)
+
+
+# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+_C_UPDATE = r"""
+NOINLINE static void ademamix(float *restrict p, const float *restrict g_in, float *restrict m1, float *restrict m2,
+                              float *restrict nu, int n, const float *c, int option) {
+    (void)option; /* no option */
+    const float lr = c[0], inv_bc1 = c[1], inv_bc2 = c[2], alpha = c[3], omb1 = c[4], beta2 = c[5], omb2 = c[6],
+                omb3 = c[7], eps = c[8], decay = c[9];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        float m1_new = m1[i] + omb1 * (g - m1[i]);
+        float m2_new = m2[i] + omb3 * (g - m2[i]);
+        float nu_new = nu[i] * beta2 + omb2 * g * g;
+        int ok = fin & is_finite(m1_new) & is_finite(m2_new) & is_finite(nu_new);
+        float a = ok ? m1_new : m1[i], b = ok ? m2_new : m2[i], v = ok ? nu_new : nu[i];
+        m1[i] = a;
+        m2[i] = b;
+        nu[i] = v;
+        float denom = sqrtf(v) * inv_bc2 + eps;
+        float p_new = pi * decay - lr * ((a * inv_bc1 + alpha * b) / denom);
+        p[i] = ok ? p_new : pi;
+    }
+}
+"""
+
+
+ADEMAMIX = FusedRule(
+    "ademamix",
+    ("exp_avg", "exp_avg_slow", "exp_avg_sq"),
+    (True, True, False),
+    ADEMAMIX_COEFS,
+    ademamix_coefficients,
+    c_source=_C_UPDATE,
+    c_name="ademamix",
+)

@@ -3,7 +3,8 @@
 A :class:`FusedRule` says what a fused kernel needs to run a rule, and nothing of any optimizer: its states and
 their signs, its per-step coefficients, its element update in each kernel family's form, and the name of its
 source in the C step. The kernels read these; no table of names picks a kernel or coefficients, so a rule a
-kernel was not built for is refused by name (``optim/launch.py``), never run with another rule's arithmetic.
+kernel was not built for is refused by name (``optim/launch.py``), never run with another rule's arithmetic; the
+planner (``optim/fused.py``) leaves a rule an executor has no form of to the compiled path there.
 A rule is one file (``rules/<name>.py``): its Triton functions are written there in Triton's language and made
 ``@triton.jit`` functions by :func:`triton_jit` when a kernel first asks for them, so that importing a rule imports
 no Triton; its C update is source text there, which ``kernels/cpu.py`` builds into the C step.
@@ -38,7 +39,7 @@ class FusedRule:
         name (str): the rule's name, for messages.
         state_keys (Tuple[str, ...]): the states it reads and writes, in the kernels' order. Their number picks the
             kernel family: one state, the one-state Triton kernel (``kernels/triton_momentum.py``); two, the
-            two-state one (``kernels/triton_adam.py``). The C step takes either.
+            two-state one (``kernels/triton_adam.py``). The C step takes one, two or three.
         signed (Tuple[bool, ...]): per state, whether it may hold a negative value (the unsigned codebook serves
             a state that cannot).
         coefficient_names (Tuple[str, ...]): the columns of its per-step coefficient rows; the one-state Triton
@@ -59,8 +60,9 @@ class FusedRule:
         c_source (str, optional): its element update in C, as source text the C step is built with
             (``kernels/cpu.py``): a function ``c_name`` that updates ``n`` fp32 elements in place; one state,
             ``void (float *p, const float *g, float *s, int n, const float *c, int option)``; two, ``void (float
-            *p, const float *g, float *m, float *v, int n, const float *c, int option)``. Default: None (the C
-            step does not run it).
+            *p, const float *g, float *m, float *v, int n, const float *c, int option)``; three, ``void (float *p,
+            const float *g, float *s0, float *s1, float *s2, int n, const float *c, int option)``. Default: None
+            (the C step does not run it).
         c_name (str, optional): the name of the function ``c_source`` defines; given with it. Default: None.
     """
 

@@ -1,8 +1,9 @@
 """RMSprop (Hinton's lecture 6e; ``torch.optim.RMSprop``): the rule's coefficients, its update in plain tensor code,
-and its two fused rules, chosen by the group's momentum: :data:`RMSPROP` (``square_avg`` alone, the one-state
-kernels) and :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels), each with
-its update in Triton's language and in C.
-``centered=True`` adds a third state (``grad_avg``), which no fused kernel carries: it runs on the compiled path.
+and its fused rules, chosen by the group's momentum and centering: :data:`RMSPROP` (``square_avg`` alone, the
+one-state kernels) and :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels), each
+with its update in Triton's language and in C; centered (``grad_avg`` added), :data:`RMSPROP_CENTERED` (two states)
+and :data:`RMSPROP_CENTERED_MOMENTUM` (three), with their updates in C only: the fused C step runs them, and on CUDA
+they take the per-parameter compiled path.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the states may be plain or any format
 (``square_avg`` never negative: the unsigned codebook), non-finite gradient elements are skipped (parameter and
@@ -23,6 +24,8 @@ if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not
 __all__ = [
     "RMSPROP",
     "RMSPROP_MOMENTUM",
+    "RMSPROP_CENTERED",
+    "RMSPROP_CENTERED_MOMENTUM",
     "RMSPROP_COEFS",
     "RMSPROP_MOMENTUM_COEFS",
     "rmsprop_coefficients",
@@ -30,7 +33,7 @@ __all__ = [
 ]
 
 # The compiled path's row; the one-state kernel reads the first four columns, the two-state kernel seven (the
-# last two 0).
+# last two 0); centered, the C step reads the first four (no momentum) or all five.
 RMSPROP_COEFS = ("lr", "weight_decay", "one_minus_alpha", "eps", "momentum")
 RMSPROP_MOMENTUM_COEFS = RMSPROP_COEFS + ("zero", "zero")
 
@@ -44,7 +47,7 @@ def rmsprop_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, option: 
     return torch.stack([lr, weight_decay, 1 - alpha, eps, momentum]).expand(step.shape + (5,))
 
 
-def _one_state_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, option: bool = False) -> torch.Tensor:
+def _no_momentum_coefficients(step: torch.Tensor, hyperparams: torch.Tensor, option: bool = False) -> torch.Tensor:
     return rmsprop_coefficients(step, hyperparams)[..., :4]
 
 
@@ -171,6 +174,52 @@ NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g
     }
 }
 """
+_C_CENTERED_UPDATE = r"""
+NOINLINE static void rmsprop_centered(float *restrict p, const float *restrict g_in, float *restrict v,
+                                      float *restrict a, int n, const float *c, int option) {
+    (void)option; /* no option */
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float v_new = v[i] + oma * (g * g - v[i]);
+        float a_new = a[i] + oma * (g - a[i]);
+        int ok = fin & is_finite(v_new) & is_finite(a_new);
+        float var = v_new - a_new * a_new;
+        float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
+        float p_new = pi - lr * g / denom;
+        v[i] = ok ? v_new : v[i];
+        a[i] = ok ? a_new : a[i];
+        p[i] = ok ? p_new : pi;
+    }
+}
+"""
+_C_CENTERED_MOMENTUM_UPDATE = r"""
+NOINLINE static void rmsprop_centered_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
+                                               float *restrict b, float *restrict a, int n, const float *c,
+                                               int option) {
+    (void)option; /* no option */
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float v_new = v[i] + oma * (g * g - v[i]);
+        float a_new = a[i] + oma * (g - a[i]);
+        float var = v_new - a_new * a_new;
+        float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
+        float b_new = b[i] * momentum + g / denom;
+        int ok = fin & is_finite(v_new) & is_finite(a_new) & is_finite(b_new);
+        v[i] = ok ? v_new : v[i];
+        b[i] = ok ? b_new : b[i];
+        a[i] = ok ? a_new : a[i];
+        p[i] = ok ? pi - lr * b_new : pi;
+    }
+}
+"""
 
 
 RMSPROP = FusedRule(
@@ -178,7 +227,7 @@ RMSPROP = FusedRule(
     ("square_avg",),
     (False,),
     RMSPROP_COEFS[:4],
-    _one_state_coefficients,
+    _no_momentum_coefficients,
     triton_update=triton_jit(rmsprop_tile_update),
     c_source=_C_UPDATE,
     c_name="rmsprop",
@@ -192,4 +241,22 @@ RMSPROP_MOMENTUM = FusedRule(
     triton_update=triton_jit(rmsprop_momentum_tile_update),
     c_source=_C_MOMENTUM_UPDATE,
     c_name="rmsprop_momentum",
+)
+RMSPROP_CENTERED = FusedRule(
+    "rmsprop_centered",
+    ("square_avg", "grad_avg"),
+    (False, True),
+    RMSPROP_COEFS[:4],
+    _no_momentum_coefficients,
+    c_source=_C_CENTERED_UPDATE,
+    c_name="rmsprop_centered",
+)
+RMSPROP_CENTERED_MOMENTUM = FusedRule(
+    "rmsprop_centered_momentum",
+    ("square_avg", "momentum_buffer", "grad_avg"),
+    (False, True, True),
+    RMSPROP_COEFS,
+    rmsprop_coefficients,
+    c_source=_C_CENTERED_MOMENTUM_UPDATE,
+    c_name="rmsprop_centered_momentum",
 )
