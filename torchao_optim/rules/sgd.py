@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, co
         g = fin ? g : 0.0f;
         g = g + wd * pi;
         float s_new = s[i] * momentum + grad_coef * g;
-        int ok = is_finite(s_new) ? fin : 0; /* a select, where & would become a branch */
+        int ok = fin & is_finite(s_new);
         float si = ok ? s_new : s[i];
         s[i] = si;
         float d = nesterov ? g + momentum * si : si;
