@@ -136,91 +136,71 @@ def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: t
     return p, v, b
 
 
-# Their element updates in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+# Their element updates in C (FusedRule.c_source), built into the C step by kernels/cpu.py: one loop, which each
+# rule's function inlines with its own constant flags, so that each compiles to the loop of its own arithmetic. The
+# four rules share this source (the C step takes a source its rules share once).
 _C_UPDATE = r"""
-NOINLINE static void rmsprop(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
+static inline __attribute__((always_inline)) void rmsprop_loop(float *restrict p, const float *restrict g_in,
+                                                              float *restrict v, float *restrict b, float *restrict a,
+                                                              int n, const float *c, int centered, int with_momentum) {
+    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = with_momentum ? c[4] : 0.0f;
+    for (int i = 0; i < n; i++) {
+        float g = g_in[i], pi = p[i];
+        int fin = is_finite(g);
+        g = fin ? g : 0.0f;
+        g = g + wd * pi;
+        float v_new = v[i] + oma * (g * g - v[i]);
+        int ok = fin & is_finite(v_new);
+        float a_new = 0.0f, denom;
+        if (centered) {
+            a_new = a[i] + oma * (g - a[i]);
+            ok = ok & is_finite(a_new);
+            float var = v_new - a_new * a_new;
+            denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
+        } else {
+            denom = sqrtf(v_new) + eps;
+        }
+        float b_new = 0.0f, p_new;
+        if (with_momentum) {
+            b_new = b[i] * momentum + g / denom;
+            ok = ok & is_finite(b_new);
+            p_new = pi - lr * b_new;
+        } else {
+            p_new = pi - lr * g / denom;
+        }
+        v[i] = ok ? v_new : v[i];
+        if (with_momentum) b[i] = ok ? b_new : b[i];
+        if (centered) a[i] = ok ? a_new : a[i];
+        p[i] = ok ? p_new : pi;
+    }
+}
+
+/* no option: each takes option as the table's form does */
+NOINLINE static void rmsprop(float *restrict p, const float *restrict g, float *restrict v, int n, const float *c,
                              int option) {
-    (void)option; /* no option */
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float s_new = s[i] + oma * (g * g - s[i]);
-        int ok = fin & is_finite(s_new);
-        float p_new = pi - lr * g / (sqrtf(s_new) + eps);
-        s[i] = ok ? s_new : s[i];
-        p[i] = ok ? p_new : pi;
-    }
+    (void)option;
+    rmsprop_loop(p, g, v, v, v, n, c, 0, 0);
 }
-"""
-_C_MOMENTUM_UPDATE = r"""
-NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
+
+NOINLINE static void rmsprop_momentum(float *restrict p, const float *restrict g, float *restrict v,
                                       float *restrict b, int n, const float *c, int option) {
-    (void)option; /* no option */
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float v_new = v[i] + oma * (g * g - v[i]);
-        float b_new = b[i] * momentum + g / (sqrtf(v_new) + eps);
-        int ok = fin & is_finite(v_new) & is_finite(b_new);
-        v[i] = ok ? v_new : v[i];
-        b[i] = ok ? b_new : b[i];
-        p[i] = ok ? pi - lr * b_new : pi;
-    }
+    (void)option;
+    rmsprop_loop(p, g, v, b, v, n, c, 0, 1);
 }
-"""
-_C_CENTERED_UPDATE = r"""
-NOINLINE static void rmsprop_centered(float *restrict p, const float *restrict g_in, float *restrict v,
+
+NOINLINE static void rmsprop_centered(float *restrict p, const float *restrict g, float *restrict v,
                                       float *restrict a, int n, const float *c, int option) {
-    (void)option; /* no option */
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float v_new = v[i] + oma * (g * g - v[i]);
-        float a_new = a[i] + oma * (g - a[i]);
-        int ok = fin & is_finite(v_new) & is_finite(a_new);
-        float var = v_new - a_new * a_new;
-        float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
-        float p_new = pi - lr * g / denom;
-        v[i] = ok ? v_new : v[i];
-        a[i] = ok ? a_new : a[i];
-        p[i] = ok ? p_new : pi;
-    }
+    (void)option;
+    rmsprop_loop(p, g, v, v, a, n, c, 1, 0);
 }
-"""
-_C_CENTERED_MOMENTUM_UPDATE = r"""
-NOINLINE static void rmsprop_centered_momentum(float *restrict p, const float *restrict g_in, float *restrict v,
+
+NOINLINE static void rmsprop_centered_momentum(float *restrict p, const float *restrict g, float *restrict v,
                                                float *restrict b, float *restrict a, int n, const float *c,
                                                int option) {
-    (void)option; /* no option */
-    const float lr = c[0], wd = c[1], oma = c[2], eps = c[3], momentum = c[4];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        g = g + wd * pi;
-        float v_new = v[i] + oma * (g * g - v[i]);
-        float a_new = a[i] + oma * (g - a[i]);
-        float var = v_new - a_new * a_new;
-        float denom = sqrtf(var < 0.0f ? 0.0f : var) + eps; /* clamp_min(0): NaN stays NaN */
-        float b_new = b[i] * momentum + g / denom;
-        int ok = fin & is_finite(v_new) & is_finite(a_new) & is_finite(b_new);
-        v[i] = ok ? v_new : v[i];
-        b[i] = ok ? b_new : b[i];
-        a[i] = ok ? a_new : a[i];
-        p[i] = ok ? pi - lr * b_new : pi;
-    }
+    (void)option;
+    rmsprop_loop(p, g, v, b, a, n, c, 1, 1);
 }
 """
-
 
 RMSPROP = FusedRule(
     "rmsprop",
@@ -239,7 +219,7 @@ RMSPROP_MOMENTUM = FusedRule(
     RMSPROP_MOMENTUM_COEFS,
     _two_state_coefficients,
     triton_update=triton_jit(rmsprop_momentum_tile_update),
-    c_source=_C_MOMENTUM_UPDATE,
+    c_source=_C_UPDATE,
     c_name="rmsprop_momentum",
 )
 RMSPROP_CENTERED = FusedRule(
@@ -248,7 +228,7 @@ RMSPROP_CENTERED = FusedRule(
     (False, True),
     RMSPROP_COEFS[:4],
     _no_momentum_coefficients,
-    c_source=_C_CENTERED_UPDATE,
+    c_source=_C_UPDATE,
     c_name="rmsprop_centered",
 )
 RMSPROP_CENTERED_MOMENTUM = FusedRule(
@@ -257,6 +237,6 @@ RMSPROP_CENTERED_MOMENTUM = FusedRule(
     (False, True, True),
     RMSPROP_COEFS,
     rmsprop_coefficients,
-    c_source=_C_CENTERED_MOMENTUM_UPDATE,
+    c_source=_C_UPDATE,
     c_name="rmsprop_centered_momentum",
 )
