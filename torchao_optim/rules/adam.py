@@ -180,10 +180,13 @@ def adam_coefs_kernel(
     tl.store(row + 6, (zero + eps).to(tl.float32), mask=mask)
 
 
-# Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
+# Its element updates in C (FusedRule.c_source), built into the C step by kernels/cpu.py: one loop, which Adam's
+# function and amsgrad's inline (amsgrad's with decoupled a constant: a branch on it inside the loop would be a
+# blend); the two rules share this source (the C step takes a source its rules share once).
 _C_UPDATE = r"""
-NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v, int n,
-                          const float *c, int decoupled) {
+static inline __attribute__((always_inline)) void adam_loop(float *restrict p, const float *restrict g_in,
+                                                           float *restrict m, float *restrict v, float *restrict vmax,
+                                                           int n, const float *c, int decoupled, int amsgrad) {
     const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
     for (int i = 0; i < n; i++) {
         float g = g_in[i], pi = p[i];
@@ -198,48 +201,29 @@ NOINLINE static void adam(float *restrict p, const float *restrict g_in, float *
         float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
         m[i] = mi;
         v[i] = vi;
+        if (amsgrad) {
+            /* torch.maximum of the old maximum and v, a skipped element's too (both finite) */
+            float top = vmax[i] < vi ? vi : vmax[i];
+            vmax[i] = top;
+            vi = top;
+        }
         float denom = sqrtf(vi) * inv_bc2 + eps;
         float p_new = p_decayed - step_size * (mi / denom);
         p[i] = ok ? p_new : pi;
     }
 }
-"""
-_C_AMSGRAD_UPDATE = r"""
-/* decoupled is a constant in each call (adam_amsgrad below): a branch on it inside the loop would be a blend */
-static inline __attribute__((always_inline)) void adam_amsgrad_loop(float *restrict p, const float *restrict g_in,
-                                                                   float *restrict m, float *restrict v,
-                                                                   float *restrict vmax, int n, const float *c,
-                                                                   int decoupled) {
-    const float step_size = c[0], inv_bc2 = c[1], wd = c[2], omb1 = c[3], beta2 = c[4], omb2 = c[5], eps = c[6];
-    for (int i = 0; i < n; i++) {
-        float g = g_in[i], pi = p[i];
-        int fin = is_finite(g);
-        g = fin ? g : 0.0f;
-        float p_decayed = pi;
-        if (decoupled) p_decayed = pi * wd;
-        else g = g + wd * pi;
-        float m_new = m[i] + omb1 * (g - m[i]);
-        float v_new = v[i] * beta2 + omb2 * g * g;
-        int ok = fin & is_finite(m_new) & is_finite(v_new);
-        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
-        m[i] = mi;
-        v[i] = vi;
-        /* torch.maximum of the old maximum and v, a skipped element's too (both finite) */
-        float top = vmax[i] < vi ? vi : vmax[i];
-        vmax[i] = top;
-        float denom = sqrtf(top) * inv_bc2 + eps;
-        float p_new = p_decayed - step_size * (mi / denom);
-        p[i] = ok ? p_new : pi;
-    }
+
+NOINLINE static void adam(float *restrict p, const float *restrict g, float *restrict m, float *restrict v, int n,
+                          const float *c, int decoupled) {
+    adam_loop(p, g, m, v, v, n, c, decoupled, 0);
 }
 
-NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g_in, float *restrict m, float *restrict v,
+NOINLINE static void adam_amsgrad(float *restrict p, const float *restrict g, float *restrict m, float *restrict v,
                                   float *restrict vmax, int n, const float *c, int decoupled) {
-    if (decoupled) adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 1);
-    else adam_amsgrad_loop(p, g_in, m, v, vmax, n, c, 0);
+    if (decoupled) adam_loop(p, g, m, v, vmax, n, c, 1, 1);
+    else adam_loop(p, g, m, v, vmax, n, c, 0, 1);
 }
 """
-
 
 ADAM = FusedRule(
     "adam",
@@ -262,6 +246,6 @@ ADAM_AMSGRAD = FusedRule(
     COEFS,
     adam_coefficients,
     option="decoupled",
-    c_source=_C_AMSGRAD_UPDATE,
+    c_source=_C_UPDATE,
     c_name="adam_amsgrad",
 )
