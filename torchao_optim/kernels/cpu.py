@@ -141,7 +141,7 @@ def _c_rule(rule) -> tuple:
 
 
 BUILT_IN = tuple(rule for rule in BUILT_IN_RULES if rule.c_source is not None)  # built together, in this order
-_BUILT_IN_KEYS = tuple(_c_rule(rule) for rule in BUILT_IN)
+_BUILT_IN_INDEX = {_c_rule(rule): i for i, rule in enumerate(BUILT_IN)}  # a launch's lookup, every step
 
 
 def step_source(rules) -> str:
@@ -324,9 +324,9 @@ def cpu_rule(rule) -> tuple[ctypes.CDLL, int]:
             f"rule {rule.name!r} carries {len(rule.state_keys)} states {rule.state_keys}: the fused CPU step takes "
             f"one to {MAX_STATES}"
         )
-    key = _c_rule(rule)
-    if key in _BUILT_IN_KEYS:
-        return cpu_kernels(), _BUILT_IN_KEYS.index(key)
+    index = _BUILT_IN_INDEX.get(_c_rule(rule))
+    if index is not None:
+        return cpu_kernels(), index
     try:
         return _rule_library(rule), 0
     except RuntimeError as err:
