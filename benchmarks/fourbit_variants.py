@@ -9,6 +9,14 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW-4bit_vdyn``: format ``"4bit_vdyn"``, ``exp_avg_sq``'s codebook the unsigned 4-bit dynamic tree map with
   ``never_zero`` (``second_moment = "dynamic"``) instead of the linear map without zero, whose smallest level,
   1/16 of the block's absmax, overestimates every smaller value and so shrinks its update;
+- ``AdamW-4bit_bal``, ``AdamW-4bit_lin``, ``AdamW-4bit_nrm``: ``exp_avg``'s codebook one with both -1.0 and 1.0
+  (``fourbit.balanced_map``: quadratic, linear or normal-quantile levels) instead of the quadratic map, whose lowest
+  level, -0.766, stores a block whose largest element is negative 23% short;
+- ``AdamW-4bit_vsq``: ``exp_avg_sq``'s codebook ``fourbit.square_map`` (an even grid of its square root, down to
+  1/256 of the absmax) instead of the linear map (down to 1/16); ``AdamW-4bit_bal_vsq`` and ``AdamW-4bit_dyn_vsq``
+  pair it with the balanced and the dynamic ``exp_avg`` maps;
+- ``AdamW-4bit_rank1_nrm``: ``"4bit_rank1"`` (rank-1 normalization of ``exp_avg_sq``) with the balanced normal map
+  for ``exp_avg``;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
   parameter for Adam's two, against 1.06);
 - ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
@@ -33,17 +41,24 @@ if HERE not in sys.path:
 import optimizers  # noqa: E402  (the table every benchmark shares; it puts this checkout first)
 
 import torchao_optim  # noqa: E402
-from torchao_optim.state import FourBitTensor, register_state_format  # noqa: E402
+from torchao_optim.state import FourBitRank1Tensor, FourBitTensor, register_state_format  # noqa: E402
 
 # Parameters of at most this many elements keep 8-bit state in AdamW4bit-small8: 2**19 takes gpt350m's position
 # embedding (512 x 1024) and leaves out gpt125m's attention projections (768 x 768).
 SMALL = 2**19
 
-# format name: (class name, the class attributes it changes from FourBitTensor's)
+# format name: (class name, the class attributes it changes from its base's[, the base: FourBitTensor if not given])
 FORMATS = {
     "4bit_dyn": ("FourBitDynamicTensor", {"first_moment": "dynamic"}),
     "4bit_vdyn": ("FourBitDynamicSecondTensor", {"second_moment": "dynamic"}),
     "4bit_b64": ("FourBitBlock64Tensor", {"default_block_size": 64}),
+    "4bit_bal": ("FourBitBalancedTensor", {"first_moment": "balanced"}),
+    "4bit_lin": ("FourBitBalancedLinearTensor", {"first_moment": "balanced_linear"}),
+    "4bit_nrm": ("FourBitBalancedNormalTensor", {"first_moment": "balanced_normal"}),
+    "4bit_vsq": ("FourBitSquareSecondTensor", {"second_moment": "square"}),
+    "4bit_bal_vsq": ("FourBitBalancedSquareTensor", {"first_moment": "balanced", "second_moment": "square"}),
+    "4bit_dyn_vsq": ("FourBitDynamicSquareTensor", {"first_moment": "dynamic", "second_moment": "square"}),
+    "4bit_rank1_nrm": ("FourBitRank1NormalTensor", {"first_moment": "balanced_normal"}, FourBitRank1Tensor),
 }
 
 
@@ -101,9 +116,10 @@ OPTIMIZERS = {
 
 def register() -> list[str]:
     """Register the variant formats (where not yet registered) and optimizers; returns the optimizer names."""
-    for name, (cls_name, attrs) in FORMATS.items():
+    for name, (cls_name, attrs, *base) in FORMATS.items():
         if name not in torchao_optim.list_state_formats():
-            register_state_format(name)(type(cls_name, (FourBitTensor,), {**attrs, "__module__": __name__}))
+            bases = tuple(base) or (FourBitTensor,)
+            register_state_format(name)(type(cls_name, bases, {**attrs, "__module__": __name__}))
     for name, (description, eight_bit) in OPTIMIZERS.items():
         optimizers.register_optimizer(
             optimizers.OptimizerEntry(name, description, _four_bit_with_8bit(eight_bit, name), None, "4bit")

@@ -4,7 +4,7 @@ import torch
 
 import torchao_optim
 from torchao_optim import Adam4bit, AdamW4bit, FourBitRank1Tensor, FourBitTensor
-from torchao_optim.state.fourbit import linear_map_without_zero, quadratic_map
+from torchao_optim.state.fourbit import balanced_map, linear_map_without_zero, quadratic_map, square_map
 from torchao_optim.testing import StateFormatTestCase, assert_same_tensor
 
 
@@ -45,6 +45,27 @@ class TestFourBit(StateFormatTestCase):
         )
         self.assertEqual(linear_map_without_zero(4)[0], 1 / 16)
         self.assertTrue(torch.equal(FourBitTensor.zeros((300,), signed=False).dequantize(), torch.zeros(300)))
+
+    def test_other_codebooks(self):
+        """The maps a subclass may choose (``first_moment``, ``second_moment``): 16 sorted values each."""
+        for kind in ("quadratic", "linear", "normal"):
+            values = balanced_map(kind)
+            self.assertEqual(len(values), 16)
+            self.assertEqual(list(values), sorted(values))
+            self.assertEqual((values[0], values[7], values[-1]), (-1.0, 0.0, 1.0))
+        self.assertEqual(balanced_map("linear")[-2:], (0.875, 1.0))
+        with self.assertRaisesRegex(ValueError, "kind must be 'quadratic', 'linear' or 'normal', got 'cubic'"):
+            balanced_map("cubic")
+        roots = torch.tensor(square_map(4)).sqrt()
+        torch.testing.assert_close(roots, torch.arange(1, 17) / 16)  # an even grid of the square root
+        # a block whose largest element is negative: the quadratic map stores it at its lowest level, 49/64 of it;
+        # a balanced map stores it exactly
+        x = torch.linspace(-1.0, 0.5, 128)
+        stored = {}
+        for first in ("quadratic", "balanced"):
+            cls = type("Variant", (FourBitTensor,), {"first_moment": first})
+            stored[first] = cls.from_float(x, signed=True).dequantize()[0].item()
+        self.assertEqual(stored, {"quadratic": -49 / 64, "balanced": -1.0})
 
     def test_aliases(self):
         p = torch.nn.Parameter(torch.randn(64, 128))

@@ -11,6 +11,7 @@ import torchao_optim
 from torchao_optim.optim.explain import route
 from torchao_optim.quant import dynamic_map_values
 from torchao_optim.state import registry
+from torchao_optim.state.fourbit import balanced_map, square_map
 
 bench = load_benchmark("benchmark_convergence")
 VARIANTS_FILE = str(BENCHMARKS / "fourbit_variants.py")
@@ -44,12 +45,40 @@ def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
     assert (mb.block_size, vb.block_size) == (64, 64) and (mb.codebook, vb.codebook) == (m4.codebook, v4.codebook)
     # loading the file again registers nothing new and keeps every name
     assert bench.runpy.run_path(VARIANTS_FILE)["VARIANTS"] == variants
-    assert variants == ["AdamW-4bit_dyn", "AdamW-4bit_vdyn", "AdamW-4bit_b64", "AdamW4bit-emb8", "AdamW4bit-small8"]
+    # the codebooks of the other variants: each changes the map it names and keeps the other state's
+    for name, first, second in [
+        ("4bit_bal", balanced_map("quadratic"), None),
+        ("4bit_lin", balanced_map("linear"), None),
+        ("4bit_nrm", balanced_map("normal"), None),
+        ("4bit_vsq", None, square_map(4)),
+        ("4bit_bal_vsq", balanced_map("quadratic"), square_map(4)),
+        ("4bit_dyn_vsq", dynamic_map_values(True, 3, 4), square_map(4)),
+    ]:
+        fmt = torchao_optim.get_state_format(name)
+        m, v = [fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() for s in (True, False)]
+        assert (m.codebook, v.codebook) == (first or m4.codebook, second or v4.codebook), name
+        assert (m.block_size, v.block_size, v.never_zero) == (128, 128, False), name
+    rank1 = torchao_optim.get_state_format("4bit_rank1_nrm")
+    assert issubclass(rank1, torchao_optim.get_state_format("4bit_rank1")) and rank1.first_moment == "balanced_normal"
+    assert variants == [
+        "AdamW-4bit_dyn",
+        "AdamW-4bit_vdyn",
+        "AdamW-4bit_b64",
+        "AdamW-4bit_bal",
+        "AdamW-4bit_lin",
+        "AdamW-4bit_nrm",
+        "AdamW-4bit_vsq",
+        "AdamW-4bit_bal_vsq",
+        "AdamW-4bit_dyn_vsq",
+        "AdamW-4bit_rank1_nrm",
+        "AdamW4bit-emb8",
+        "AdamW4bit-small8",
+    ]
     with pytest.raises(ValueError, match="optimizer name 'AdamW4bit' is built in"):
         bench.optimizers.register_optimizer(bench.optimizers.OptimizerEntry("AdamW4bit", "", None))
 
 
-def test_every_variant_steps_a_gpt_on_the_fused_path(variants):
+def test_every_blockwise_variant_steps_a_gpt_on_the_fused_path(variants):
     """One step of a one-block GPT of width 512: every parameter with quantized state is updated by the fused step,
     in the format its variant says (-emb8: the embeddings in 8-bit; -small8: every matrix of at most 2**19 elements,
     here all but the 512 x 1536 and 512 x 2048 ones of the block)."""
@@ -58,8 +87,10 @@ def test_every_variant_steps_a_gpt_on_the_fused_path(variants):
     names = {p: n for n, p in model.named_parameters()}
     x = torch.randint(0, 256, (2, 16))
     model(x, x).backward()
-    main = {"AdamW-4bit_dyn": "4bit_dyn", "AdamW-4bit_vdyn": "4bit_vdyn", "AdamW-4bit_b64": "4bit_b64"}
+    main = {name: name.removeprefix("AdamW-") for name in variants if name.startswith("AdamW-")}
     for name in variants:
+        if name == "AdamW-4bit_rank1_nrm":
+            continue  # rank-1 scales: the per-parameter compiled path, as "4bit_rank1" (its own tests)
         optimizer = bench.optimizers.build(name, model.param_groups(0.1), lr=1e-3)
         optimizer.step()
         formats = {}

@@ -63,12 +63,50 @@ def quadratic_map() -> tuple[float, ...]:
     return tuple([-v for v in reversed(positive)] + [0.0] + positive + [1.0])
 
 
-_FIRST_MOMENT_MAPS = {"dynamic": lambda: dynamic_map_values(True, 3, 4), "quadratic": quadratic_map}
+@functools.cache
+def balanced_map(kind: str = "quadratic") -> tuple[float, ...]:
+    """16 signed values with both -1.0 and 1.0 and an exact 0: eight positive levels ``f(k / 8)`` and seven
+    negative ``-f(k / 7)`` for ``k`` in 1.., with ``f`` the square (``kind="quadratic"``), the identity
+    (``"linear"``) or a normal quantile scaled to end at 1 (``"normal"``). Either sign's largest magnitude is
+    stored exactly: a map without -1.0 stores a block whose largest element is negative at its lowest level
+    (``quadratic_map``: 0.766 of its absmax)."""
+
+    def levels(n: int) -> list[float]:
+        k = torch.arange(1, n + 1, dtype=torch.float64) / n
+        if kind == "quadratic":
+            v = k**2
+        elif kind == "linear":
+            v = k
+        elif kind == "normal":  # quantiles of N(0, 1) from the median out to the 1/64 tail, scaled to end at 1
+            q = torch.special.ndtri(0.5 + k * (0.5 - 1 / 64))
+            v = q / q[-1]
+        else:
+            raise ValueError(f"balanced_map: kind must be 'quadratic', 'linear' or 'normal', got {kind!r}")
+        return v.to(torch.float32).tolist()
+
+    return tuple([-v for v in reversed(levels(7))] + [0.0] + levels(8))
+
+
+@functools.cache
+def square_map(bits: int = 4) -> tuple[float, ...]:
+    """``((i + 1) / 2**bits)**2`` for ``i`` in ``0 .. 2**bits - 1``: for ``exp_avg_sq``, an even grid of its square
+    root (what Adam divides by) on (0, 1], with no zero level: values down to 1/256 of the absmax at 4 bits."""
+    return tuple(v**2 for v in linear_map_without_zero(bits))
+
+
+_FIRST_MOMENT_MAPS = {
+    "dynamic": lambda: dynamic_map_values(True, 3, 4),
+    "quadratic": quadratic_map,
+    "balanced": balanced_map,
+    "balanced_linear": lambda: balanced_map("linear"),
+    "balanced_normal": lambda: balanced_map("normal"),
+}
 # exp_avg_sq's codebook and whether it takes never_zero: the dynamic tree map has a zero level, which never_zero
 # keeps any nonzero value from (it encodes to the smallest nonzero level, 0.00325 of its block's absmax instead)
 _SECOND_MOMENT_MAPS = {
     "linear": lambda: (linear_map_without_zero(4), False),
     "dynamic": lambda: (dynamic_map_values(False, 3, 4), True),
+    "square": lambda: (square_map(4), False),
 }
 
 
