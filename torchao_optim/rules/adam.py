@@ -1,8 +1,8 @@
 """Adam and AdamW (Kingma & Ba 2015; Loshchilov & Hutter 2019): the rule's coefficients, its update in plain tensor
 code that does not know the state's format, and :data:`ADAM`, the rule as the fused kernels take it: with the same
 update in Triton's language (``adam_tile_update``, and Adam's coefficients kernel) and in C. With amsgrad,
-:data:`ADAM_AMSGRAD` (a third state, ``max_exp_avg_sq``), with its update in C only: the fused C step runs it, and
-on CUDA it takes the per-parameter compiled path.
+:data:`ADAM_AMSGRAD` (a third state, ``max_exp_avg_sq``), with its update in Triton's language
+(``adam_amsgrad_tile_update``, for the three-state form of the Triton kernel) and in C.
 
 The states may be plain fp32 tensors or any :class:`~torchao_optim.state.QuantizedState`: reading one
 (``lerp``, ``mul``, ``where``) dequantizes it, ``copy_`` into it requantizes. Under ``torch.compile`` the
@@ -136,6 +136,31 @@ def adam_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constex
     return p, m, v
 
 
+def adam_amsgrad_tile_update(p, g, m, v, vmax, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.adam.adam_update` with amsgrad on a tile (``vmax``: ``max_exp_avg_sq``): returns
+    ``(p, m, v, vmax)``. The same fp32 operations in the same order as the plain update and the C update, the square
+    root and the division correctly rounded (not :func:`adam_tile_update`'s fast ones): the parameter too is theirs,
+    bit for bit."""
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    if DECOUPLED:
+        p_decayed = p * wd
+    else:
+        g = g + wd * p
+        p_decayed = p
+    m_new = m + one_minus_beta1 * (g - m)
+    v_new = v * beta2 + one_minus_beta2 * g * g
+    ok = finite & (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    m = tl.where(ok, m_new, m)
+    v = tl.where(ok, v_new, v)
+    # the maximum of the old maximum and v, a skipped element's too (both finite), as the C update takes it
+    vmax = tl.where(vmax < v, v, vmax)
+    denom = tl.sqrt_rn(vmax) * inv_bc2 + eps
+    p = tl.where(ok, p_decayed - step_size * (m / denom), p)
+    return p, m, v, vmax
+
+
 def _pow(base, t):
     """``base ** t`` in fp64 for integer-valued ``t`` in [0, 2**32), by squaring: within a few fp64 ulps."""
     e = t.to(tl.int64)
@@ -246,6 +271,7 @@ ADAM_AMSGRAD = FusedRule(
     COEFS,
     adam_coefficients,
     option="decoupled",
+    triton_update=triton_jit(adam_amsgrad_tile_update),
     c_source=_C_UPDATE,
     c_name="adam_amsgrad",
 )

@@ -9,15 +9,20 @@ from beta1 to its final value over ``t_beta3`` steps along the paper's curve, wh
 growing linearly.
 
 Non-finite gradient elements are skipped as by every rule (:mod:`torchao_optim.rules.base`), and so is an element
-whose new state would overflow. :data:`ADEMAMIX` is the rule as the fused C step takes it, with its update in C; the
-Triton kernels take one or two states, so on CUDA it runs on the per-parameter compiled path.
+whose new state would overflow. :data:`ADEMAMIX` is the rule as the fused kernels take it, with its update in Triton's
+language (``ademamix_tile_update``, for the three-state form of the Triton kernel) and in C.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param
+from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
 
 __all__ = ["ADEMAMIX", "ADEMAMIX_COEFS", "ademamix_coefficients", "ademamix_update"]
 
@@ -98,6 +103,26 @@ def ademamix_update(
     store_param(param, torch.where(ok, p_new, p), round_key)
 
 
+def ademamix_tile_update(p, g, m1, m2, nu, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.ademamix.ademamix_update` on a tile (``m1``, ``m2``, ``nu``: ``exp_avg``,
+    ``exp_avg_slow``, ``exp_avg_sq``; no option): returns ``(p, m1, m2, nu)``. The same fp32 operations in the same
+    order as the plain update and the C update, the square root and the division correctly rounded: the parameter too
+    is theirs, bit for bit."""
+    lr, inv_bc1, inv_bc2, alpha, one_minus_beta1, beta2, one_minus_beta2, one_minus_beta3, eps, decay = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    m1_new = m1 + one_minus_beta1 * (g - m1)
+    m2_new = m2 + one_minus_beta3 * (g - m2)
+    nu_new = nu * beta2 + one_minus_beta2 * g * g
+    ok = finite & (tl.abs(m1_new) < float("inf")) & (tl.abs(m2_new) < float("inf")) & (tl.abs(nu_new) < float("inf"))
+    m1 = tl.where(ok, m1_new, m1)
+    m2 = tl.where(ok, m2_new, m2)
+    nu = tl.where(ok, nu_new, nu)
+    denom = tl.sqrt_rn(nu) * inv_bc2 + eps
+    p = tl.where(ok, p * decay - lr * ((m1 * inv_bc1 + alpha * m2) / denom), p)
+    return p, m1, m2, nu
+
+
 # Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
 _C_UPDATE = r"""
 NOINLINE static void ademamix(float *restrict p, const float *restrict g_in, float *restrict m1, float *restrict m2,
@@ -131,6 +156,7 @@ ADEMAMIX = FusedRule(
     (True, True, False),
     ADEMAMIX_COEFS,
     ademamix_coefficients,
+    triton_update=triton_jit(ademamix_tile_update),
     c_source=_C_UPDATE,
     c_name="ademamix",
 )

@@ -1,9 +1,9 @@
 """RMSprop (Hinton's lecture 6e; ``torch.optim.RMSprop``): the rule's coefficients, its update in plain tensor code,
 and its fused rules, chosen by the group's momentum and centering: :data:`RMSPROP` (``square_avg`` alone, the
-one-state kernels) and :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels), each
-with its update in Triton's language and in C; centered (``grad_avg`` added), :data:`RMSPROP_CENTERED` (two states)
-and :data:`RMSPROP_CENTERED_MOMENTUM` (three), with their updates in C only: the fused C step runs them, and on CUDA
-they take the per-parameter compiled path.
+one-state kernels), :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels) and,
+centered (``grad_avg`` added), :data:`RMSPROP_CENTERED_MOMENTUM` (three states), each with its update in Triton's
+language and in C; centered without momentum, :data:`RMSPROP_CENTERED` (two states), with its update in C only: the
+fused C step runs it, and on CUDA it takes the per-parameter compiled path.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the states may be plain or any format
 (``square_avg`` never negative: the unsigned codebook), non-finite gradient elements are skipped (parameter and
@@ -33,7 +33,7 @@ __all__ = [
 ]
 
 # The compiled path's row; the one-state kernel reads the first four columns, the two-state kernel seven (the
-# last two 0); centered, the C step reads the first four (no momentum) or all five.
+# last two 0); centered, the C step reads the first four (no momentum) or all five, as the three-state kernel does.
 RMSPROP_COEFS = ("lr", "weight_decay", "one_minus_alpha", "eps", "momentum")
 RMSPROP_MOMENTUM_COEFS = RMSPROP_COEFS + ("zero", "zero")
 
@@ -134,6 +134,26 @@ def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: t
     b = tl.where(ok, b_new, b)
     p = tl.where(ok, p - lr * b_new, p)
     return p, v, b
+
+
+def rmsprop_centered_momentum_tile_update(p, g, v, b, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` centered, with momentum, on a tile (``v``: ``square_avg``,
+    ``b``: ``momentum_buffer``, ``a``: ``grad_avg``; no option): returns ``(p, v, b, a)``, from the same fp32
+    operations in the same order as the plain update and the C update (the square root correctly rounded)."""
+    lr, wd, one_minus_alpha, eps, momentum = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    v_new = v + one_minus_alpha * (g * g - v)
+    a_new = a + one_minus_alpha * (g - a)
+    var = v_new - a_new * a_new
+    b_new = b * momentum + g / (tl.sqrt_rn(tl.where(var < 0.0, 0.0, var)) + eps)  # clamp_min(0): NaN stays NaN
+    ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf")) & (tl.abs(b_new) < float("inf"))
+    v = tl.where(ok, v_new, v)
+    b = tl.where(ok, b_new, b)
+    a = tl.where(ok, a_new, a)
+    p = tl.where(ok, p - lr * b_new, p)
+    return p, v, b, a
 
 
 # Their element updates in C (FusedRule.c_source), built into the C step by kernels/cpu.py: one loop, which each
@@ -237,6 +257,7 @@ RMSPROP_CENTERED_MOMENTUM = FusedRule(
     (False, True, True),
     RMSPROP_COEFS,
     rmsprop_coefficients,
+    triton_update=triton_jit(rmsprop_centered_momentum_tile_update),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered_momentum",
 )
