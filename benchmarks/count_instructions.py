@@ -11,6 +11,7 @@ unset: the interpreter never compiles).
 
     python benchmarks/count_instructions.py                          # dtq8-like: 8-bit codes, fp32 params
     python benchmarks/count_instructions.py --bits 4 --block 128 --dtype bf16
+    python benchmarks/count_instructions.py --rule ademamix          # the three-state form (N_STATES=3)
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num_warps: int = 1, maxnreg=None):
     """``kernel`` (a ``triton.jit`` function) compiled for sm_``arch`` with Triton's CUDA backend, no GPU needed:
-    ``signature`` types its tensor and scalar arguments (``"*fp32"``, ...), ``constants`` gives its constexprs."""
+    ``signature`` types its tensor and scalar arguments (``"*fp32"``, ...), ``constants`` gives its constexprs (and
+    arguments given as None); a constexpr it leaves out takes its default, as in a launch."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}
+    constants = {**{k: v for k, v in defaults.items() if k not in signature}, **constants}
     signature = dict(signature, **{name: "constexpr" for name in constants})
     names = kernel.arg_names
     source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
@@ -41,17 +45,27 @@ def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
 
 
-def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto"):
+def compile_adam(
+    dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto", rule_name: str = "adam"
+):
+    """``adam_kernel`` compiled for a plan of ``rule_name``'s (a package rule of two or three states with a Triton
+    update: its states' signs, its option set, a third state under ``N_STATES=3``), every state in ``bits``-bit codes
+    of the built-in format of that width, and the number of elements per thread of its loop."""
     import torch
     import triton.language as tl
 
     from torchao_optim.kernels.tables import flat_shift
     from torchao_optim.kernels.triton_adam import adam_kernel
     from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
-    from torchao_optim.rules import ADAM
+    from torchao_optim.rules import BUILT_IN_RULES
     from torchao_optim.state import get_state_format
     from torchao_optim.state.layout import StateLayout
 
+    rules = {r.name: r for r in BUILT_IN_RULES if r.triton_update is not None and len(r.state_keys) in (2, 3)}
+    if rule_name not in rules:
+        raise ValueError(f"rule {rule_name!r}: the kernel runs {sorted(rules)}")
+    rule = rules[rule_name]
+    n_states = len(rule.state_keys)
     param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
     signature = {
         "ptrs": "*i64",
@@ -70,7 +84,12 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
         "v_level1": "*i32",
         "v_level2": "*i32",
     }
-    constants = dict(
+    if n_states == 3:
+        signature.update(w_values="*fp32", w_level1="*i32", w_level2="*i32")
+        constants = dict(N_STATES=3, N_COEFS=rule.n_coefs, W_QUANT=True, W_BITS=bits, W_SIGNED=rule.signed[2])
+    else:
+        constants = dict(w_values=None, w_level1=None, w_level2=None)  # as a two-state launch passes them
+    constants.update(
         PARAM_DTYPE=param,
         GRAD_DTYPE=param,
         QBLOCK=block,
@@ -78,8 +97,8 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
         VEC=16 // (4 if dtype == "fp32" else 2),
         PREFETCH=PREFETCH,
         ALIGNED=True,
-        UPDATE=ADAM.triton_update(),
-        OPTION=True,
+        UPDATE=rule.triton_update(),
+        OPTION=rule.option is not None,  # Adam's: decoupled weight decay (AdamW)
         MAXIMIZE=False,
         PTX=True,
         SR=False,
@@ -87,20 +106,26 @@ def compile_adam(dtype: str, bits: int, block: int, arch: int, num_warps: int, m
         M_BITS=bits,
         V_QUANT=True,
         V_BITS=bits,
-        M_SIGNED=True,
-        V_SIGNED=False,
+        M_SIGNED=rule.signed[0],
+        V_SIGNED=rule.signed[1],
         PDL=True,
     )
     # the encoders' form as the planner picks it for the built-in format of this code width
-    m, v = (
+    layouts = [
         get_state_format("dtq8" if bits == 8 else "4bit").zeros((256,), signed=signed).fast_path_layout()
-        for signed in (True, False)
-    )
-    constants.update(M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"))
-    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS), unless one is given
+        for signed in rule.signed
+    ]
+    constants.update(M_FLAT=flat_shift(layouts[0], "triton"), V_FLAT=flat_shift(layouts[1], "triton"))
+    if n_states == 3:
+        constants.update(W_FLAT=flat_shift(layouts[2], "triton"))
+    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS; none with three states), unless one
+    # is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
     param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize
-    cap = register_cap((layout, layout), param_bytes) if maxnreg == "auto" else int(maxnreg)
+    if maxnreg == "auto":
+        cap = register_cap((layout, layout), param_bytes) if n_states == 2 else None
+    else:
+        cap = int(maxnreg)
     compiled = compile_kernel(adam_kernel, signature, constants, arch, num_warps, cap)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 
@@ -143,10 +168,16 @@ def main_loop(sass: str):
 
 
 def count(
-    dtype: str = "fp32", bits: int = 8, block: int = 256, arch: int = 90, num_warps: int = 1, maxnreg: str = "auto"
+    dtype: str = "fp32",
+    bits: int = 8,
+    block: int = 256,
+    arch: int = 90,
+    num_warps: int = 1,
+    maxnreg: str = "auto",
+    rule: str = "adam",
 ) -> dict:
     """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack."""
-    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg)
+    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg, rule)
     cubin = compiled.asm["cubin"]
     loop = main_loop(_tool("nvdisasm", cubin, "-c"))
     usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
@@ -168,7 +199,13 @@ def count(
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="parameter and gradient dtype")
-    ap.add_argument("--bits", type=int, default=8, choices=[8, 4], help="bits per code, both states")
+    ap.add_argument("--bits", type=int, default=8, choices=[8, 4], help="bits per code, every state")
+    ap.add_argument(
+        "--rule",
+        default="adam",
+        help="the rule whose update the kernel inlines (adam; rmsprop_momentum; three states: ademamix, "
+        "adam_amsgrad, rmsprop_centered_momentum)",
+    )
     ap.add_argument("--block", type=int, default=256, help="quantization block size")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, as 90 for sm_90")
     ap.add_argument("--warps", type=int, default=1)
@@ -188,12 +225,13 @@ def main():
         import torchao_optim.kernels.tables as tables
 
         tables.FLAT_MAX_BITS = args.flat_bits
-    c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg)
+    c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg, args.rule)
     if args.json:
         print(json.dumps(c))
         return
+    rule = "" if args.rule == "adam" else f" ({args.rule}'s update)"
     print(
-        f"adam_kernel, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
+        f"adam_kernel{rule}, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
         f"{c['registers']} registers, {c['stack_bytes']} bytes of stack, {c['byte_accesses']} single-byte "
         f"global loads and stores in the loop"
     )

@@ -5,8 +5,9 @@ so a construct the compiler rejects (a branch compiled for a shape it does not f
 on the first GPU. Here the Adam kernel is compiled to SASS for sm_90 (Triton's CUDA backend and its bundled
 tools, no GPU) in the configurations the built-in formats use, in a process of its own without the
 interpreter, under the register cap the planner gives it (``optim.fused.REGISTER_CAPS``), and must not spill
-registers to the stack, nor load or store a single byte in its loop. The one-state kernel (SGD, Lion) is
-compiled the same way, for its inline PTX.
+registers to the stack, nor load or store a single byte in its loop; so must its three-state form (AdEMAMix, amsgrad,
+centered RMSprop with momentum), with the slow tests. The one-state kernel (SGD, Lion) is compiled the same way, for its
+inline PTX.
 """
 
 import importlib.util
@@ -30,9 +31,9 @@ def _backend_tools():
     return all(os.path.exists(os.path.join(tools, name)) for name in ("ptxas", "nvdisasm", "cuobjdump"))
 
 
-@pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
-@pytest.mark.parametrize("dtype,bits,block", [("fp32", 8, 256), ("bf16", 8, 256), ("fp32", 4, 128), ("bf16", 4, 128)])
-def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
+def _count(dtype: str, bits: int, block: int, rule: str = "adam") -> dict:
+    """benchmarks/count_instructions.py's figures for ``adam_kernel`` with ``rule``'s update, in a process without
+    Triton's interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run(
@@ -47,6 +48,8 @@ def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
             str(bits),
             "--block",
             str(block),
+            "--rule",
+            rule,
             "--json",
         ],
         capture_output=True,
@@ -55,7 +58,13 @@ def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
+@pytest.mark.parametrize("dtype,bits,block", [("fp32", 8, 256), ("bf16", 8, 256), ("fp32", 4, 128), ("bf16", 4, 128)])
+def test_adam_kernel_compiles_for_sm90_without_spilling(dtype, bits, block):
+    stats = _count(dtype, bits, block)
     assert stats["stack_bytes"] == 0, stats
     assert stats["instructions"] > 0 and stats["per_thread"] == 8, stats
     # whole tiles move a thread's codes as words (4-bit: one per state each way), never byte by byte
@@ -129,7 +138,8 @@ constants = dict(PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=256 if bits == 8 el
                  VEC=16 // (4 if dtype == "fp32" else 2), PREFETCH=True, ALIGNED=True, UPDATE=rule.triton_update(),
                  OPTION=False, MAXIMIZE=False, PTX=True, SR=False, M_QUANT=True, M_BITS=bits, V_QUANT=True,
                  V_BITS=bits, M_SIGNED=rule.signed[0], V_SIGNED=rule.signed[1], PDL=True,
-                 M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"))
+                 M_FLAT=flat_shift(m, "triton"), V_FLAT=flat_shift(v, "triton"),
+                 w_values=None, w_level1=None, w_level2=None)  # no third state, as a two-state launch passes it
 print(len(compile_kernel(adam_kernel, signature, constants).asm["cubin"]))
 """
 
@@ -149,3 +159,18 @@ def test_two_state_kernel_compiles_rmsprop_with_momentum_for_sm90():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert int(proc.stdout.strip().splitlines()[-1]) > 0
+
+
+@pytest.mark.slow  # about 7 s each
+@pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
+@pytest.mark.parametrize(
+    "rule,dtype,bits,block",
+    [("ademamix", "fp32", 8, 256), ("adam_amsgrad", "bf16", 4, 128), ("rmsprop_centered_momentum", "bf16", 8, 256)],
+)
+def test_three_state_kernel_compiles_for_sm90_without_spilling(rule, dtype, bits, block):
+    """``adam_kernel`` with a third state (``N_STATES=3``) and each three-state rule's update, with no register cap
+    (the planner gives three-state plans none): no spill, the codes moved in words."""
+    stats = _count(dtype, bits, block, rule)
+    assert stats["stack_bytes"] == 0, stats
+    assert stats["instructions"] > 0 and stats["per_thread"] == 8, stats
+    assert stats["byte_accesses"] == 0, stats

@@ -166,15 +166,44 @@ def _load_tile(
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     WHOLE: tl.constexpr = False,
+    wc=None,
+    ws=None,
+    N_STATES: tl.constexpr = 2,
+    W_QUANT: tl.constexpr = False,
+    W_BITS: tl.constexpr = 8,
 ):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
-    and scales (or fp32 values). ``WHOLE``: ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
+    and scales (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``:
+    ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
     m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
     v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
-    return p, g, _opaque(m_raw, M_QUANT, PTX), m_scale, _opaque(v_raw, V_QUANT, PTX), v_scale
+    if N_STATES == 3:
+        w_raw, w_scale = load_codes(wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+        return (
+            p,
+            g,
+            _opaque(m_raw, M_QUANT, PTX),
+            m_scale,
+            _opaque(v_raw, V_QUANT, PTX),
+            v_scale,
+            _opaque(w_raw, W_QUANT, PTX),
+            w_scale,
+        )
+    else:
+        return p, g, _opaque(m_raw, M_QUANT, PTX), m_scale, _opaque(v_raw, V_QUANT, PTX), v_scale
+
+
+@triton.jit
+def _load_row(c, N: tl.constexpr):
+    """A tensor's row of ``N`` coefficients as a tuple, loaded once per program (:func:`_load_coefs`' for any
+    number: the three-state kernel reads its rule's)."""
+    row = ()
+    for i in tl.static_range(N):
+        row = row + (tl.load(c + i),)
+    return row
 
 
 @triton.jit
@@ -231,19 +260,38 @@ def _update_tile(
     M_FLAT: tl.constexpr,
     V_FLAT: tl.constexpr,
     WHOLE: tl.constexpr = False,
+    wc=None,
+    ws=None,
+    w_values=None,
+    w_level1=None,
+    w_level2=None,
+    N_STATES: tl.constexpr = 2,
+    W_QUANT: tl.constexpr = False,
+    W_BITS: tl.constexpr = 8,
+    W_SIGNED: tl.constexpr = True,
+    W_FLAT: tl.constexpr = 0,
 ):
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
-    coefficients (:func:`_load_coefs`)."""
-    p, g, m_raw, m_scale, v_raw, v_scale = tile
+    coefficients (:func:`_load_coefs`, :func:`_load_row`). With ``N_STATES`` 3, the third state's too (the ``w``
+    arguments, as the first two states' ``m`` and ``v``)."""
+    if N_STATES == 3:
+        p, g, m_raw, m_scale, v_raw, v_scale, w_raw, w_scale = tile
+    else:
+        p, g, m_raw, m_scale, v_raw, v_scale = tile
     start = blk * BLOCK
     p = as_fp32(p, PARAM_DTYPE, WHOLE)
     g = as_fp32(g, GRAD_DTYPE, WHOLE)
     m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
     v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    if N_STATES == 3:
+        w = load_state(w_raw, w_scale, w_values, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE)
 
     if MAXIMIZE:
         g = -g
-    p, m, v = UPDATE(p, g, m, v, coefs, OPTION, PTX)
+    if N_STATES == 3:
+        p, m, v, w = UPDATE(p, g, m, v, w, coefs, OPTION, PTX)
+    else:
+        p, m, v = UPDATE(p, g, m, v, coefs, OPTION, PTX)
 
     store_param(p_base, start, local, n_valid, p, key, offset, PARAM_DTYPE, SR, BLOCK, VEC, WHOLE, PTX)
     store_state(
@@ -286,14 +334,36 @@ def _update_tile(
         V_FLAT,
         WHOLE,
     )
+    if N_STATES == 3:
+        store_state(
+            w,
+            wc,
+            ws,
+            start,
+            blk,
+            local,
+            n_valid,
+            w_level1,
+            w_level2,
+            W_QUANT,
+            W_BITS,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            PTX,
+            W_SIGNED,
+            W_FLAT,
+            WHOLE,
+        )
 
 
 @triton.jit
 def adam_kernel(
-    ptrs,  # int64 (n_tensors, 5): param, exp_avg codes (or fp32 values), its absmax, the same for exp_avg_sq
+    ptrs,  # int64 (n_tensors, 1 + 2 * N_STATES): param, exp_avg codes (or fp32 values), its absmax, the same for
+    # exp_avg_sq (and for the third state)
     grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
-    coefs,  # fp32 (n_tensors, 7): the rule's coefficient rows (Adam's: rules.adam.COEFS)
+    coefs,  # fp32 (n_tensors, 7, or N_COEFS with three states): the rule's coefficient rows (Adam's: rules.adam.COEFS)
     prog_tensor,  # int32 (n_programs,): which tensor each program updates
     prog_block,  # int32 (n_programs,): its first tile
     prog_tiles,  # int32 (n_programs,): how many consecutive tiles it updates (the tensor's end may come first)
@@ -305,6 +375,9 @@ def adam_kernel(
     v_values,
     v_level1,
     v_level2,  # exp_avg_sq's
+    w_values,
+    w_level1,
+    w_level2,  # the third state's (None with two states)
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -312,7 +385,8 @@ def adam_kernel(
     VEC: tl.constexpr,
     PREFETCH: tl.constexpr,
     ALIGNED: tl.constexpr,
-    UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, m, v, coefs, OPTION, PTX)
+    UPDATE: tl.constexpr,  # the rule's element update (FusedRule.triton_update): (p, g, m, v, coefs, OPTION, PTX),
+    # with three states (p, g, m, v, w, coefs, OPTION, PTX)
     OPTION: tl.constexpr,  # the rule's one setting (FusedRule.option; Adam's: decoupled weight decay)
     MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr,
@@ -326,6 +400,12 @@ def adam_kernel(
     M_FLAT: tl.constexpr = 0,
     V_FLAT: tl.constexpr = 0,  # each encoder's one-load shift (kernels.tables.flat_shift)
     PDL: tl.constexpr = False,  # launched as a programmatic dependent of the kernel before it (SM 9.0 and later)
+    N_STATES: tl.constexpr = 2,  # 2, or 3: a third state, read and written as the first two
+    N_COEFS: tl.constexpr = 7,  # the columns of a coefficient row with three states (the rule's; two states: 7)
+    W_QUANT: tl.constexpr = False,
+    W_BITS: tl.constexpr = 8,
+    W_SIGNED: tl.constexpr = True,
+    W_FLAT: tl.constexpr = 0,  # the third state's, as M_QUANT, M_BITS, M_SIGNED and M_FLAT
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
     # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
@@ -334,7 +414,7 @@ def adam_kernel(
         gdc_launch_dependents()
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    row = ptrs + t * 5
+    row = ptrs + t * (1 + 2 * N_STATES)
     numel = tl.load(numels + t)
     first = tl.load(prog_block + pid).to(tl.int64)
     count = tl.load(prog_tiles + pid)
@@ -345,6 +425,10 @@ def adam_kernel(
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
     mc, vc = _codes_pointer(mc, M_QUANT, M_BITS, ALIGNED), _codes_pointer(vc, V_QUANT, V_BITS, ALIGNED)
+    if N_STATES == 3:
+        wc, ws = _codes_pointer(tl.load(row + 5), W_QUANT, W_BITS, ALIGNED), tl.load(row + 6)
+    else:
+        wc, ws = None, None
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
@@ -371,10 +455,18 @@ def adam_kernel(
             PARAM_DTYPE,
             GRAD_DTYPE,
             True,
+            wc=wc,
+            ws=ws,
+            N_STATES=N_STATES,
+            W_QUANT=W_QUANT,
+            W_BITS=W_BITS,
         )
     if PDL:
         gdc_wait()
-    cf = _load_coefs(coefs + t * 7)
+    if N_STATES == 3:
+        cf = _load_row(coefs + t * N_COEFS, N_COEFS)
+    else:
+        cf = _load_coefs(coefs + t * 7)
     key, offset = _round_key(round_info, steps, t, SR)
     for i in range(0, n_full):
         blk = first + i
@@ -402,6 +494,11 @@ def adam_kernel(
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 True,
+                wc=wc,
+                ws=ws,
+                N_STATES=N_STATES,
+                W_QUANT=W_QUANT,
+                W_BITS=W_BITS,
             )
         else:
             tile = _load_tile(
@@ -425,6 +522,11 @@ def adam_kernel(
                 PARAM_DTYPE,
                 GRAD_DTYPE,
                 True,
+                wc=wc,
+                ws=ws,
+                N_STATES=N_STATES,
+                W_QUANT=W_QUANT,
+                W_BITS=W_BITS,
             )
         _update_tile(
             tile,
@@ -464,6 +566,16 @@ def adam_kernel(
             M_FLAT,
             V_FLAT,
             True,
+            wc=wc,
+            ws=ws,
+            w_values=w_values,
+            w_level1=w_level1,
+            w_level2=w_level2,
+            N_STATES=N_STATES,
+            W_QUANT=W_QUANT,
+            W_BITS=W_BITS,
+            W_SIGNED=W_SIGNED,
+            W_FLAT=W_FLAT,
         )
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
@@ -489,6 +601,11 @@ def adam_kernel(
             PTX,
             PARAM_DTYPE,
             GRAD_DTYPE,
+            wc=wc,
+            ws=ws,
+            N_STATES=N_STATES,
+            W_QUANT=W_QUANT,
+            W_BITS=W_BITS,
         )
         _update_tile(
             tile,
@@ -527,4 +644,14 @@ def adam_kernel(
             V_SIGNED,
             M_FLAT,
             V_FLAT,
+            wc=wc,
+            ws=ws,
+            w_values=w_values,
+            w_level1=w_level1,
+            w_level2=w_level2,
+            N_STATES=N_STATES,
+            W_QUANT=W_QUANT,
+            W_BITS=W_BITS,
+            W_SIGNED=W_SIGNED,
+            W_FLAT=W_FLAT,
         )

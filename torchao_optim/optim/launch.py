@@ -4,10 +4,10 @@ A plan is data: pointer tables, sizes, the program map, its layouts' tables and 
 (:class:`~torchao_optim.rules.FusedRule`) says the rest: its number of states (which kernel family runs it), its
 element update in each family's form (Triton's, C's) and its coefficients. Three launches:
 
-- Triton, two states (Adam, RMSprop with momentum): Adam's coefficients kernel advances the step counts and writes
-  the coefficient rows (one launch for every plan of a group on a device, made by the first plan's:
-  ``fused._share_coefficients``); a rule without one advances them as below. Then ``adam_kernel`` with the rule's
-  element update.
+- Triton, two or three states (Adam, RMSprop with momentum; AdEMAMix, Adam with amsgrad, centered RMSprop with
+  momentum): Adam's coefficients kernel advances the step counts and writes the coefficient rows (one launch for every
+  plan of a group on a device, made by the first plan's: ``fused._share_coefficients``); a rule without one advances
+  them as below. Then ``adam_kernel`` with the rule's element update, its third state under ``N_STATES=3``.
 - Triton, one state (SGD, Lion, Adagrad, RMSprop): the step counts advance and the rule's coefficient function
   writes the rows (a few small torch launches), then ``momentum_kernel`` with the rule's element update.
 - CPU: each state's own step count advances, the rule's coefficient function writes the rows, then one call of
@@ -15,8 +15,8 @@ element update in each family's form (Triton's, C's) and its coefficients. Three
   one to three states (AdEMAMix, centered RMSprop and Adam with amsgrad carry three).
 
 A kernel runs only a rule that gives what it needs; any other is refused, naming the rule and what it lacks (the
-planner, ``fused.py``, leaves such a rule's parameters to the compiled path before they get here: a rule of three
-states, or with no Triton update, takes the C step on the CPU and the compiled path on CUDA).
+planner, ``fused.py``, leaves such a rule's parameters to the compiled path before they get here: a rule with no Triton
+update takes the C step on the CPU and the compiled path on CUDA).
 """
 
 from __future__ import annotations
@@ -43,24 +43,25 @@ def run(plan, hyperparams: Tensor, maximize: bool = False, stochastic_round: boo
         raise TypeError(f"rule {rule.name!r} takes no launch setting {sorted(options)} (its option: {rule.option!r})")
     if plan.executor == "cpu":
         return _run_cpu(plan, hyperparams, option, maximize, stochastic_round)
-    if len(plan.layouts) == 2:
-        return _run_two_states(plan, hyperparams, option, maximize, stochastic_round)
+    if len(plan.layouts) in (2, 3):
+        return _run_two_or_three_states(plan, hyperparams, option, maximize, stochastic_round)
     if len(plan.layouts) == 1:
         return _run_one_state(plan, hyperparams, option, maximize, stochastic_round)
     raise NotImplementedError(
-        f"rule {rule.name!r} carries {len(plan.layouts)} states {rule.state_keys}: the Triton kernels take one or two"
+        f"rule {rule.name!r} carries {len(plan.layouts)} states {rule.state_keys}: the Triton kernels take one to three"
     )
 
 
-def _triton_update(rule, n_states: int, n_coefs: int):
-    """The rule's element update for the Triton kernel of ``n_states`` states, which reads ``n_coefs`` coefficients."""
+def _triton_update(rule, n_states: int, n_coefs: int | None):
+    """The rule's element update for the Triton kernel of ``n_states`` states, which reads ``n_coefs`` coefficients
+    (None: as many as the rule has)."""
     if rule.triton_update is None:
         raise NotImplementedError(
             f"rule {rule.name!r} declares no Triton element update (FusedRule.triton_update): "
             f"the fused Triton kernels cannot run it; give it one (docs/adding-a-rule.md), "
             f"or leave its parameters to the compiled path (fused=False)"
         )
-    if rule.n_coefs != n_coefs:
+    if n_coefs is not None and rule.n_coefs != n_coefs:
         raise NotImplementedError(
             f"rule {rule.name!r} has {rule.n_coefs} coefficients {rule.coefficient_names}, "
             f"but the Triton kernel of {n_states} state(s) reads {n_coefs}"
@@ -85,14 +86,31 @@ def _advance(plan, hyperparams: Tensor, option: bool) -> None:
         coefs.copy_(plan.rule.coefficients(steps, hyperparams, option))  # (n_tensors, n_coefs), fp32
 
 
-def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
+def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
+    """``adam_kernel``: two states as it is tuned for them; a third (``N_STATES=3``) read and written as the first two,
+    with the rule's own number of coefficients."""
     from torchao_optim.kernels.triton_adam import N_COEFS, adam_kernel
 
-    update = _triton_update(plan.rule, 2, N_COEFS)
+    n_states = len(plan.layouts)
+    update = _triton_update(plan.rule, n_states, N_COEFS if n_states == 2 else None)
     _advance(plan, hyperparams, option)
     if plan.n_programs == 0:
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
-    m_layout, v_layout = plan.layouts
+    m_layout, v_layout = plan.layouts[:2]
+    if n_states == 3:  # the third state's tables and constants (with two, its tables are None: no argument at all)
+        w_layout = plan.layouts[2]
+        third = dict(
+            N_STATES=3,
+            N_COEFS=plan.rule.n_coefs,
+            W_QUANT=w_layout.quantized,
+            W_BITS=getattr(w_layout, "bits", 8),
+            W_SIGNED=getattr(w_layout, "signed", True),
+            W_FLAT=plan.flat[2],
+        )
+        tables = plan.tables
+    else:
+        third = {}
+        tables = plan.tables + (None, None, None)
     plan.compiled = adam_kernel[(plan.n_programs,)](
         plan.ptrs,
         plan.grad_ptrs,
@@ -103,7 +121,7 @@ def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, sto
         plan.prog_tiles,
         plan.steps,
         plan.round_info,
-        *plan.tables,
+        *tables,
         PARAM_DTYPE=plan.param_dtype,
         GRAD_DTYPE=plan.grad_dtype,
         QBLOCK=plan.block,
@@ -125,6 +143,7 @@ def _run_two_states(plan, hyperparams: Tensor, option: bool, maximize: bool, sto
         M_FLAT=plan.flat[0],
         V_FLAT=plan.flat[1],
         PDL=plan.pdl,
+        **third,
         num_warps=plan.num_warps,
         **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
         **({"launch_pdl": True} if plan.pdl else {}),
