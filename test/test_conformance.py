@@ -98,7 +98,9 @@ FUSED_IN_CI = ("adamw", "sgd")
 # square_avg); centered RMSprop's and AdEMAMix's per-parameter path eagerly in fp32 state and 4bit, with AdEMAMix's
 # schedulers in fp8; compiled in dtq8 with --runslow (about 45 s a configuration on a CPU). The formats' codes are
 # read and written alike by every rule of a kernel (the other rows cover each format); the rest runs with --runslow.
-# Adam with amsgrad runs eagerly in every format (compiled_on_cpu) and on the C step.
+# Adam with amsgrad runs eagerly in every format (compiled_on_cpu) and on the C step. The rules of three states in
+# Triton's interpreter (the three-state form of the two-state kernel, 8-15 s a case here) run with --runslow:
+# test_triton_three_states.py holds that kernel to the C step, bit for bit, in CI.
 _EVERY_CPU = {(fmt, "cpu") for fmt in ["none"] + list_state_formats()}
 SAMPLED_IN_CI = {
     "adagrad": {("none", "cpu"), ("dtq8", "cpu"), ("dtq8", "fused")},

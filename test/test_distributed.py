@@ -439,7 +439,7 @@ OPTIMIZERS = {
     "Adagrad8bit": (Adagrad8bit, {"lr_decay": 0.01}),
     # with momentum: the two-state rule (square_avg unsigned, momentum_buffer signed)
     "RMSprop8bit": (RMSprop8bit, {"momentum": 0.9}),
-    # three states: the fused C step's third slot
+    # three states: the fused kernels' third state (the C step's on CPU ranks)
     "AdEMAMix8bit": (AdEMAMix8bit, {"t_alpha": 2, "t_beta3": 2}),
 }
 # each optimizer's state that is never negative (rank-1 scaled in "4bit_rank1"), and a signed one, where it has one

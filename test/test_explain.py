@@ -110,28 +110,33 @@ def test_muon_says_why_its_matrices_are_not_fused():
     assert "fused C step" in report and "(missing)" not in report
 
 
-# Rules with a C update and no Triton one: three states (the Triton kernels take one or two), and centered RMSprop
-# without momentum (two states, its update in C only): (make, rule, number of states)
-C_ONLY = [
-    (lambda ps, **kw: torchao_optim.AdEMAMix8bit(ps, **kw), "ademamix", 3),
-    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, momentum=0.9, centered=True, **kw), "rmsprop_centered_momentum", 3),
-    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, centered=True, **kw), "rmsprop_centered", 2),
-    (lambda ps, **kw: torchao_optim.AdamW8bit(ps, amsgrad=True, **kw), "adam_amsgrad", 3),
+# The rules of three states, which both fused kernel families take (the Triton kernel in its three-state form), and
+# centered RMSprop without momentum (two states, its update in C only: the C step alone): (make, rule, whether the
+# Triton kernels take it)
+BEYOND_TWO_STATES = [
+    (lambda ps, **kw: torchao_optim.AdEMAMix8bit(ps, **kw), "ademamix", True),
+    (
+        lambda ps, **kw: torchao_optim.RMSprop8bit(ps, momentum=0.9, centered=True, **kw),
+        "rmsprop_centered_momentum",
+        True,
+    ),
+    (lambda ps, **kw: torchao_optim.AdamW8bit(ps, amsgrad=True, **kw), "adam_amsgrad", True),
+    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, centered=True, **kw), "rmsprop_centered", False),
 ]
 
 
 @requires_c
-@pytest.mark.parametrize("make,name,n_states", C_ONLY, ids=[name for _, name, _ in C_ONLY])
-def test_a_rule_in_c_only_is_fused_on_the_cpu_and_compiled_for_the_triton_kernels(make, name, n_states):
-    """On the CPU the C step runs it; for the Triton kernels (CUDA, here Triton's interpreter) its parameters take
-    the compiled path, explain() says why, and the step goes where explain() says."""
+@pytest.mark.parametrize("make,name,triton", BEYOND_TWO_STATES, ids=[name for _, name, _ in BEYOND_TWO_STATES])
+def test_three_state_rules_and_a_rule_in_c_only_go_where_explain_says(make, name, triton):
+    """On the CPU the C step runs each; the Triton kernels (CUDA, here Triton's interpreter) run the rules of three
+    states, and leave the rule in C only to the compiled path, saying why; the step goes where explain() says."""
     executors = [(None, "fused C step", None)]
     if fused_available("cpu"):  # Triton's interpreter: the Triton kernels' planning, as on CUDA
-        if n_states > 2:
-            why = f"rule {name!r} carries {n_states} states"
+        if triton:
+            executors.append((True, "fused Triton kernels", None))
         else:
             why = f"rule {name!r} has no Triton element update (FusedRule.triton_update)"
-        executors.append((True, "per-parameter path, eager", why))
+            executors.append((True, "per-parameter path, eager", why))
     for fused, executor, why in executors:
         model = _model()
         opt = make(model.parameters(), compile=False, fused=fused)
@@ -145,4 +150,4 @@ def test_a_rule_in_c_only_is_fused_on_the_cpu_and_compiled_for_the_triton_kernel
             assert (why is None) == ("not fused" not in line), report
             assert why is None or f"not fused: {why}" in line, report
         n_fused = len(_fused_params(opt))
-        assert n_fused == (len(list(model.parameters())) if fused is None else 0)
+        assert n_fused == (len(list(model.parameters())) if fused is None or triton else 0)

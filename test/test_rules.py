@@ -12,7 +12,7 @@ import torch
 from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
 from torchao_optim.optim import launch
-from torchao_optim.optim.fused import fused_available
+from torchao_optim.optim.fused import fused_available, triton_refusal
 from torchao_optim.rules import (
     ADAGRAD,
     ADAM,
@@ -92,6 +92,23 @@ def test_the_c_step_takes_one_to_three_states():
     rule = dataclasses.replace(RMSPROP_MOMENTUM, name="four", state_keys=("a", "b", "c", "d"), signed=(True,) * 4)
     with pytest.raises(NotImplementedError, match=r"rule 'four' carries 4 states \('a', 'b', 'c', 'd'\): .* one to 3"):
         cpu_rule(rule)
+
+
+def test_the_triton_kernels_take_one_to_three_states():
+    """Every built-in rule with a Triton update is one they take (three states: the two-state kernel's three-state
+    form); a fourth state is refused by name, as a rule with no Triton update is."""
+    for rule in BUILT_IN_RULES:
+        if rule.triton_update is not None:
+            assert triton_refusal(rule) is None, rule.name
+    assert {len(r.state_keys) for r in BUILT_IN_RULES if r.triton_update is not None} == {1, 2, 3}
+    four = dataclasses.replace(ADEMAMIX, name="four", state_keys=("a", "b", "c", "d"), signed=(True,) * 4)
+    assert (
+        triton_refusal(four)
+        == "rule 'four' carries 4 states ('a', 'b', 'c', 'd'); the Triton kernels take one to three"
+    )
+    assert triton_refusal(RMSPROP_CENTERED) == (
+        "rule 'rmsprop_centered' has no Triton element update (FusedRule.triton_update)"
+    )
 
 
 @needs_triton

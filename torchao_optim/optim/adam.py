@@ -108,10 +108,9 @@ class Adam(LowBitOptimizer):
         compile (bool, optional): fuse each update with ``torch.compile``; falls back to eager mode, with one
             warning, where compiling is impossible. Default: ``True``.
         fused (bool, optional): update each parameter group with one multi-tensor call per device, dtype and
-            pair of state layouts: every format with a ``fast_path_layout()``, and fp32 state: a Triton launch
-            on CUDA (not amsgrad, whose third state it does not take), the fused C step on the CPU (amsgrad
-            included; built on first use; without a C compiler CPU parameters take the compiled path, with one
-            warning). Other parameters take the
+            set of state layouts: every format with a ``fast_path_layout()``, and fp32 state: a Triton launch
+            on CUDA, the fused C step on the CPU (built on first use; without a C compiler CPU parameters take
+            the compiled path, with one warning); amsgrad's third state included. Other parameters take the
             per-parameter compiled path. ``None`` and ``True`` use it wherever it runs; ``True`` with
             ``TRITON_INTERPRET=1`` set runs the Triton kernels on the CPU in Triton's interpreter instead
             (slow: for testing); ``False`` turns it off. Default: ``None``.

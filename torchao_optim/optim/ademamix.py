@@ -71,9 +71,8 @@ class AdEMAMix8bit(LowBitOptimizer):
     ``min_quant_size`` elements, and ``state_format="none"``, keep plain state. A non-finite gradient element, or
     one whose states would overflow, is skipped: its parameter and states keep their values.
 
-    Three states: on the CPU the fused C step runs them (the compiled path's codes, bit for bit); the Triton kernels
-    take one or two, so on CUDA every parameter runs on the per-parameter compiled path, as ``explain()`` says, and
-    ``offload_state`` is refused.
+    Three states, which the fused kernels run: the Triton kernel's three-state form on CUDA, the fused C step on the
+    CPU (each stores the compiled path's codes, bit for bit).
 
     Args:
         params (iterable): parameters or dicts defining parameter groups.

@@ -3,7 +3,7 @@
 The planner reads each state's :class:`~torchao_optim.state.layout.StateLayout` (``fast_path_layout()``)
 and nothing else about its format: any format that describes itself that way is fused, including one
 written after the kernels. Parameters are bucketed into plans by (the update rule and the layouts of the one
-or two states it carries, device, param dtype, grad dtype); a :class:`GroupPlan` holds the device tables one
+to three states it carries, device, param dtype, grad dtype); a :class:`GroupPlan` holds the device tables one
 launch reads (pointers, sizes, the program -> (tensor, block) map, the encoder tables) and the plan's step
 counts, to which each parameter's ``state["step"]`` is an alias. Plans are rebuilt only when the set of
 parameters with gradients changes. Gradients move (``zero_grad(set_to_none=True)`` frees them), so their
@@ -15,8 +15,8 @@ the local parameter, gradient and states (whole blocks on every rank, see :mod:`
 On the CPU a plan is the same data, run by one call of the C step (:mod:`torchao_optim.kernels.cpu`); with
 ``fused=True`` and ``TRITON_INTERPRET=1`` set before Triton is imported, by the Triton kernels in Triton's
 interpreter instead (slow, and meant for testing). Parameters no plan covers (a format without a layout,
-non-contiguous tensors, devices with neither executor, a rule the executor has no form of: on CUDA, the rules of three
-states) take the per-parameter compiled path.
+non-contiguous tensors, devices with neither executor, a rule the executor has no form of: on CUDA, a rule without a
+Triton update) take the per-parameter compiled path.
 """
 
 from __future__ import annotations
@@ -144,12 +144,11 @@ def fused_executor(p: Tensor, interpreter: bool = False) -> str:
 
 
 def triton_refusal(rule: FusedRule) -> str | None:
-    """Why the Triton kernels cannot run ``rule`` (they take one or two states, through its Triton element update),
+    """Why the Triton kernels cannot run ``rule`` (they take one to three states, through its Triton element update),
     or None where they can: its parameters then take the compiled path on CUDA, whatever the C step takes."""
     n = len(rule.state_keys)
-    if n > 2:
-        on_cpu = " (the fused C step takes it on the CPU)" if rule.c_source is not None else ""
-        return f"rule {rule.name!r} carries {n} states {rule.state_keys}; the Triton kernels take one or two{on_cpu}"
+    if n > 3:  # as the C step (kernels.cpu.MAX_STATES)
+        return f"rule {rule.name!r} carries {n} states {rule.state_keys}; the Triton kernels take one to three"
     if rule.triton_update is None:
         return f"rule {rule.name!r} has no Triton element update (FusedRule.triton_update)"
     return None

@@ -284,12 +284,8 @@ optim_db: list[OptimizerInfo] = [
         executors=EXECUTORS,
         samples=(
             Sample("maximize", dict(weight_decay=0.1, maximize=True)),  # L2 weight decay added to the gradient
-            # max_exp_avg_sq quantized too: three states, which the C step takes and the Triton kernels do not
-            Sample(
-                "amsgrad",
-                dict(weight_decay=0.1, maximize=True, amsgrad=True),
-                executors=("compiled", "eager", "cpu"),
-            ),
+            # max_exp_avg_sq quantized too: three states (the Triton kernel's three-state form)
+            Sample("amsgrad", dict(weight_decay=0.1, maximize=True, amsgrad=True)),
         ),
         state_keys=_adam_keys,
     ),
@@ -357,8 +353,8 @@ optim_db: list[OptimizerInfo] = [
         samples=(
             Sample("", dict(weight_decay=1e-3, maximize=True)),  # square_avg alone: the one-state kernels
             Sample("momentum", dict(momentum=0.9)),  # and momentum_buffer: the two-state kernels
-            # and grad_avg: three states, which the C step takes and the Triton kernels do not
-            Sample("centered", dict(centered=True, momentum=0.5), executors=("compiled", "eager", "cpu")),
+            # and grad_avg: three states (the Triton kernel's three-state form)
+            Sample("centered", dict(centered=True, momentum=0.5)),
             # square_avg and grad_avg: two states, a rule written in C only
             Sample(
                 "centered_no_momentum",
@@ -374,7 +370,7 @@ optim_db: list[OptimizerInfo] = [
         make=_ours(AdEMAMix8bit),
         reference=lambda params, *, lr, **kw: ReferenceAdEMAMix(params, lr=lr, **kw),
         lr=1e-2,
-        executors=("compiled", "eager", "cpu"),  # three states: the C step takes them, the Triton kernels do not
+        executors=EXECUTORS,  # three states: the Triton kernel's three-state form, the C step
         samples=(
             Sample("", dict(weight_decay=0.1)),
             # both schedulers within the run's steps, beta3 below 0.99 so that the slow EMA moves in a few steps
