@@ -39,8 +39,8 @@ RULES = {
     "sgd": (1e-2, {"momentum": 0.9}, torch.optim.SGD, torchao_optim.SGD8bit, "SGD8bit"),
     "lion": (1e-4, {}, None, torchao_optim.Lion8bit, "Lion8bit"),
     "adamw": (1e-3, {"weight_decay": 1e-2}, torch.optim.AdamW, torchao_optim.AdamW8bit, "AdamW8bit"),
-    # three states: the per-parameter path, eager here (the compiled step stores the same codes, and compiling
-    # takes about a minute on a CPU)
+    # three states, fused (the C step, the Triton kernel's three-state form); a parameter they leave steps eagerly (the
+    # compiled step stores the same codes, and compiling takes about a minute on a CPU)
     "ademamix": (1e-3, {}, None, functools.partial(torchao_optim.AdEMAMix8bit, compile=False), "AdEMAMix8bit"),
 }
 

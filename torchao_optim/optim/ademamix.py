@@ -72,7 +72,7 @@ class AdEMAMix8bit(LowBitOptimizer):
     one whose states would overflow, is skipped: its parameter and states keep their values.
 
     Three states, which the fused kernels run: the Triton kernel's three-state form on CUDA, the fused C step on the
-    CPU (each stores the compiled path's codes, bit for bit).
+    CPU (the compiled path's codes, bit for bit; in Triton's interpreter the Triton kernel stores the C step's).
 
     Args:
         params (iterable): parameters or dicts defining parameter groups.

@@ -139,8 +139,8 @@ def adam_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constex
 def adam_amsgrad_tile_update(p, g, m, v, vmax, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.adam.adam_update` with amsgrad on a tile (``vmax``: ``max_exp_avg_sq``): returns
     ``(p, m, v, vmax)``. The same fp32 operations in the same order as the plain update and the C update, the square
-    root and the division correctly rounded (not :func:`adam_tile_update`'s fast ones): the parameter too is theirs,
-    bit for bit."""
+    root and the division correctly rounded (not :func:`adam_tile_update`'s fast ones), so that the parameter too is
+    theirs, bit for bit (in Triton's interpreter; a GPU build may contract multiply-adds)."""
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)

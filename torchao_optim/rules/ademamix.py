@@ -106,8 +106,8 @@ def ademamix_update(
 def ademamix_tile_update(p, g, m1, m2, nu, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.ademamix.ademamix_update` on a tile (``m1``, ``m2``, ``nu``: ``exp_avg``,
     ``exp_avg_slow``, ``exp_avg_sq``; no option): returns ``(p, m1, m2, nu)``. The same fp32 operations in the same
-    order as the plain update and the C update, the square root and the division correctly rounded: the parameter too
-    is theirs, bit for bit."""
+    order as the plain update and the C update, the square root and the division correctly rounded, so that the
+    parameter too is theirs, bit for bit (in Triton's interpreter; a GPU build may contract multiply-adds)."""
     lr, inv_bc1, inv_bc2, alpha, one_minus_beta1, beta2, one_minus_beta2, one_minus_beta3, eps, decay = coefs
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)
