@@ -134,8 +134,10 @@ def unfused_reason(p: Tensor, grad: Tensor, state, rule: FusedRule | None, inter
     return _refusal(local(p), local(grad), state, rule, interpreter)[0]
 
 
-# on every rank, an empty shard's too: the step all-reduces the column maxima (optim/sharded_columns.py)
-_SPANS_RANKS = "its rank-1 scaled state's column maxima span ranks: the per-parameter path all-reduces them"
+# on every rank, an empty shard's too: the step all-reduces the column statistics (optim/sharded_columns.py)
+_SPANS_RANKS = (
+    "its state's column statistics (rank-1 maxima, factored means) span ranks: the per-parameter path all-reduces them"
+)
 
 
 def fused_executor(p: Tensor, interpreter: bool = False) -> str:
