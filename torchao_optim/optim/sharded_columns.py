@@ -23,8 +23,8 @@ identity (zeros: maxima are >= 0, and it adds no sum and no row).
 
 A maximum is the same in any order: rank-1 states are those of one process, bit for bit. A sum is not: the
 factored formats sum in fp64 on one process too, and round the mean to fp32 once, so the two orders agree unless
-their fp64 sums (each within about ``rows * 2**-53`` of the exact one, relative) round to different fp32 means,
-which then differ by one fp32 ulp (about one column in ``2**29 / rows`` per step; none in this package's tests).
+their fp64 sums (each within ``rows * 2**-53`` of the exact one, relative) round to different fp32 means, which
+then differ by one fp32 ulp: at most about ``rows * 2**-30`` of the column means per step (docs/distributed.md).
 
 Every rank must step the same parameters in the same order: FSDP2 gives every rank a gradient (an empty one on
 an empty shard) for the same parameters. The fused plans leave these parameters to the compiled path on every
