@@ -110,10 +110,9 @@ class FactoredState(RowScaled, CodebookState):
             empty = torch.zeros(0, device=x.device)
             return dict(super().quantize_fields(x, **attrs), row_mean=empty, col_mean=empty.clone())
         matrix = cls._matrix(x, rows)  # (rows, cols), fp64
-        if columns is None:
-            columns = torch.cat([matrix.sum(dim=0), matrix.new_full((1,), rows)])
         row_mean = matrix.sum(dim=1) / matrix.shape[1]
-        col_mean = columns[:-1] / columns[-1]
+        # the same division either way: by the row count, exact in fp64
+        col_mean = matrix.sum(dim=0) / rows if columns is None else columns[:-1] / columns[-1]
         return dict(cls._no_codes(x.device), row_mean=row_mean.float(), col_mean=col_mean.float())
 
     @staticmethod
