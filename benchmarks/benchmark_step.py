@@ -13,7 +13,9 @@ For each parameter geometry and dtype it measures, for every optimizer in one ru
 - optimizer-state bytes per parameter and the step's transient peak memory (CUDA),
 (our steps on CUDA are replayed from a CUDA graph after their first steps unless ``--no-step-graphs``)
 and prints each time's ratio to the bandwidth floor (bytes the step must move with that optimizer's own state
-bytes / copy bandwidth measured in the same run) and to torch's fused AdamW. Writes JSON and a PNG bar chart.
+bytes / copy bandwidth measured in the same run) and to torch's fused AdamW. Writes ``step_<device>.json`` and a
+bar chart, ``step_<device>.png``, under ``--out`` (default ``results/step``, relative to the working directory, as
+the other benchmarks' ``results/<name>``; the repository ignores ``/results/``).
 
     python benchmarks/benchmark_step.py                          # GPU: vit_b and llama_1b, fp32 and bf16
     python benchmarks/benchmark_step.py --device cpu             # CPU: the 25.7M-param GPT geometry
@@ -229,7 +231,12 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 50 cuda, 10 cpu)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--warm-cache", action="store_true", help="keep the compile caches (first step not cold)")
-    ap.add_argument("--out", default="results/step")
+    ap.add_argument(
+        "--out",
+        default="results/step",
+        help="directory for step_<device>.json and step_<device>.png (relative to the working directory). "
+        "Default: %(default)s",
+    )
     ap.add_argument(
         "--formats-from",
         default=None,

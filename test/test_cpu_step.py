@@ -6,15 +6,21 @@ for bit (the encoder is the same rule over the same tables, the arithmetic the s
 order), and parameters agree within fp32 rounding (eager torch may round one operation differently: measured one
 ulp, on one element in a few thousand; for bf16 and fp16 parameters such an ulp may flip the final rounding, one
 ulp of the parameter's dtype on a few elements). Then what a user of the CPU relies on: it is the path taken by default,
-threads change nothing, and a machine without a C compiler still trains, on the compiled path, with a warning.
+threads change nothing, it needs no Triton, and a machine without a C compiler still trains, on the compiled path,
+with a warning.
 """
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import made_up_formats  # noqa: F401  (the test-only formats: codebooks written after the kernel)
 import pytest
 import torch
 
+import torchao_optim
 from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit, list_state_formats
 from torchao_optim.kernels import cpu
 from torchao_optim.state import QuantizedState, get_state_format
@@ -247,6 +253,59 @@ def test_is_the_default_on_cpu_and_needs_no_compile():
     opt._update = compiled_path
     opt.step()
     assert {plan.executor for plan in opt._plans[id(opt.param_groups[0])]["plans"]} == {"cpu"}
+
+
+# Run in a fresh process where Triton cannot be imported (as for a user who has not installed it): every import of it
+# by this package's code is recorded (torch's own probe, when an optimizer first imports torch._dynamo, is answered
+# as a missing package and not counted), then the fused C step trains and explain() says so.
+WITHOUT_TRITON = """
+import importlib.abc, sys, traceback
+
+ours = []
+
+
+class NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            # the importing line: the innermost frame outside importlib and this finder
+            importer = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<frozen")][-1]
+            if "torchao_optim" in importer.filename:
+                ours.append(f"{name} by {importer.filename}:{importer.lineno}")
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTriton())
+import torch
+import torchao_optim
+
+routes = []
+for fused in (None, True):
+    params = [torch.nn.Parameter(torch.randn(64, 64)), torch.nn.Parameter(torch.randn(64, 64))]
+    opt = torchao_optim.AdamW(params[:1], fused=fused)
+    opt.add_param_group({"params": params[1:], "state_format": "4bit"})
+    sgd = torchao_optim.SGD8bit([torch.nn.Parameter(torch.randn(64, 64))], lr=0.1, momentum=0.9, fused=fused)
+    for o in (opt, sgd):
+        for group in o.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn_like(p)
+        o.step()
+        routes += [line.split(":")[0].strip() for line in o.explain().splitlines() if line.startswith("  ")]
+print(sorted(set(routes)))
+print(ours)
+print(sorted(m for m in sys.modules if m.startswith("torchao_optim.kernels.triton")))
+"""
+
+
+def test_steps_without_triton():
+    # what a user without Triton relies on: the fused C step, with no import of Triton from this package
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # (a user's default: no interpreter)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(torchao_optim.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, "-c", WITHOUT_TRITON], capture_output=True, text=True, env=env, timeout=300, check=True
+    )
+    routes, ours, modules = out.stdout.strip().splitlines()[-3:]
+    assert (routes, ours, modules) == ("['fused C step']", "[]", "[]"), out.stdout + out.stderr
 
 
 def test_without_a_compiler_the_compiled_path_trains(monkeypatch, tmp_path):

@@ -442,7 +442,8 @@ OPTIMIZERS = {
     # three states: the fused kernels' third state (the C step's on CPU ranks)
     "AdEMAMix8bit": (AdEMAMix8bit, {"t_alpha": 2, "t_beta3": 2}),
 }
-# each optimizer's state that is never negative (rank-1 scaled in "4bit_rank1"), and a signed one, where it has one
+# each optimizer's state that is never negative (rank-1 scaled in "4bit_rank1", factored in "factored" and
+# "factored4"), and a signed one, where it has one
 UNSIGNED_KEY = {"AdamW": "exp_avg_sq", "Adagrad8bit": "sum", "RMSprop8bit": "square_avg", "AdEMAMix8bit": "exp_avg_sq"}
 SIGNED_KEY = {
     "AdamW": "exp_avg",
@@ -451,7 +452,10 @@ SIGNED_KEY = {
     "RMSprop8bit": "momentum_buffer",
     "AdEMAMix8bit": "exp_avg_slow",
 }
-FORMATS = ("none", "dtq8", "4bit", "fp8", "4bit_rank1")
+FORMATS = ("none", "dtq8", "4bit", "fp8", "4bit_rank1", "factored", "factored4")
+# the formats whose never-negative state of a matrix keeps per-row and per-column numbers, the column ones all-reduced
+# by the step (optim/sharded_columns.py): rank-1 maxima, factored means
+ROW_SCALED = ("4bit_rank1", "factored", "factored4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,9 +665,9 @@ class TPShapes(torch.nn.Module):
 
 
 class EdgeShards(torch.nn.Module):
-    """Rank-1 scaled matrices whose shards are edge cases on 4 ranks: ``pos`` (1, 8, 512), a matrix of 8 rows of 512
-    whose dim 0 has one index (rank 0 holds all of it, the other ranks nothing), and ``small`` (3, 512): a row on
-    each of ranks 0-2 (a one-row shard is one row of the matrix, not a vector), none on rank 3."""
+    """Rank-1 scaled (or factored) matrices whose shards are edge cases on 4 ranks: ``pos`` (1, 8, 512), a matrix of
+    8 rows of 512 whose dim 0 has one index (rank 0 holds all of it, the other ranks nothing), and ``small`` (3, 512):
+    a row on each of ranks 0-2 (a one-row shard is one row of the matrix, not a vector), none on rank 3."""
 
     def __init__(self):
         super().__init__()
@@ -672,14 +676,14 @@ class EdgeShards(torch.nn.Module):
         self.small = torch.nn.Parameter(torch.randn(3, 512, generator=gen) * 0.1)
 
 
-def edge_shards(model=None) -> dict:
-    """AdamW with "4bit_rank1" on :class:`EdgeShards`, fully sharded over every rank (or ``model`` as it is, on one
-    process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole ("trained"); and of a new
-    optimizer that loaded its state dict dequantized (fp32 states, quantized anew: "reloaded")."""
+def edge_shards(model=None, fmt="4bit_rank1") -> dict:
+    """AdamW with ``fmt`` (a ROW_SCALED format) on :class:`EdgeShards`, fully sharded over every rank (or ``model`` as
+    it is, on one process): :func:`snapshot` after ``STEPS`` steps on :func:`grads`, gathered whole ("trained"); and
+    of a new optimizer that loaded its state dict dequantized (fp32 states, quantized anew: "reloaded")."""
     from torch.distributed.fsdp import fully_shard
 
     model = fully_shard(EdgeShards()) if model is None else model
-    options = dict(lr=LR, weight_decay=WD, state_format="4bit_rank1", min_quant_size=MIN_QUANT, compile=False)
+    options = dict(lr=LR, weight_decay=WD, state_format=fmt, min_quant_size=MIN_QUANT, compile=False)
     opt = AdamW(model.parameters(), **options)
     for step in range(STEPS):
         set_grads(model, step)
@@ -741,16 +745,17 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
                 problems.append(f"{what}: rank {rank} orthogonalized {done}, expected {owned}")
     routes = [line for line in ours["explain"].splitlines() if line.startswith("  ")]
     n_params = sum(1 for _ in Net(case.dims).parameters())
-    # rank-1 scaled states (4bit_rank1's exp_avg_sq of a matrix): the per-parameter path, which all-reduces their
-    # column maxima, on every rank and executor (as on one process, where the fused kernels do not read them);
-    # Muon's orthogonalized matrices too (no fused kernel runs Muon); every other parameter the fused C step
+    # rank-1 scaled and factored states (the never-negative state of a matrix in ROW_SCALED formats): the
+    # per-parameter path, which all-reduces their column statistics, on every rank and executor (as on one process,
+    # where the fused kernels do not read them); Muon's orthogonalized matrices too (no fused kernel runs Muon);
+    # every other parameter the fused C step
     unsigned = UNSIGNED_KEY.get(case.opt, "exp_avg_sq")
     rank1 = sum(1 for k, v in ours.items() if k.endswith("." + unsigned) and getattr(v, "rows", 0))
     n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0
     if not stepped:
         pass
     elif case.executor == "fused":
-        spanning = [line for line in routes if "column maxima span ranks" in line]
+        spanning = [line for line in routes if "column statistics (rank-1 maxima, factored means) span ranks" in line]
         fused_or_muon = ("  fused C step:", "  per-parameter path, eager") if n_muon else ("  fused C step:",)
         others = [line for line in routes if line not in spanning]
         unfused = sum(int(line.split(": ")[1].split()[0]) for line in others if "per-parameter path, eager" in line)
@@ -765,8 +770,8 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     elif not all("per-parameter path, eager" in line for line in routes):
         problems.append(f"{what}: not every parameter takes the per-parameter path:\n{ours['explain']}")
     # AdamW's fc1 and fc2 (fc3's rows of 67 take no block: plain state); Muon orthogonalizes them instead
-    if (case.fmt == "4bit_rank1" and case.opt in UNSIGNED_KEY and case.dims == Case.dims) != (rank1 == 2):
-        problems.append(f"{what}: {rank1} rank-1 scaled states")
+    if (case.fmt in ROW_SCALED and case.opt in UNSIGNED_KEY and case.dims == Case.dims) != (rank1 == 2):
+        problems.append(f"{what}: {rank1} rank-1 scaled or factored states")
     # the reference's layouts come from the block rule: every format quantizes fc1.weight
     key = "fc1.weight." + SIGNED_KEY.get(case.opt, "momentum_buffer")
     quantized = isinstance(ours.get(key), QuantizedState)
@@ -915,14 +920,6 @@ class TestShardedStep(expecttest.TestCase):
         ):
             with self.subTest(**{k: getattr(v, "__name__", v) for k, v in opt_kw.items()}):
                 self.check_ranks(2, Net, steps=3, opt_kw=opt_kw)
-
-    def test_factored_keeps_plain_state(self):
-        # a factored state's column means span every rank's rows and nothing reconciles them (row_shardable is
-        # False, FactoredState's, as "factored4"'s): every state of a row-sharded parameter stays plain fp32, the
-        # same numbers as one process's
-        _, opt = self.check_ranks(2, Net, steps=2, opt_kw=dict(cls=AdamW, state_format="factored"))
-        kinds = {type(s.to_local()) for state in opt.state.values() for k, s in state.items() if k != "step"}
-        self.assertEqual(kinds, {torch.Tensor})
 
     def test_four_ranks_with_an_empty_shard(self):
         # fc2.weight (3, 512) has 3 rows: ranks 0-2 hold one each, rank 3 none (empty states, that still step)
@@ -1126,6 +1123,8 @@ dtq8 on 2: both 64, two 256, four plain, neither plain, bias plain
 4bit on 2: both 64, two 128, four plain, neither plain, bias plain
 fp8 on 2: both 64, two 256, four plain, neither plain, bias plain
 4bit_rank1 on 2: both plain, two plain, four plain, neither plain, bias plain
+factored on 2: both plain, two plain, four plain, neither plain, bias plain
+factored4 on 2: both plain, two plain, four plain, neither plain, bias plain
 dtq8 on 4: both 64, two plain, four 128, neither plain, bias plain
 4bit_rank1 on 4: both plain, two plain, four plain, neither plain, bias plain""",
         )
@@ -1226,6 +1225,7 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         Case("Muon8bit", "dtq8", dims=(64, 512, 1, 64)),
         Case("AdamW", "dtq8", mesh="tp", dims=(512, 67, 512, 33)),
         Case("AdamW", "4bit", mesh="tp", dims=(512, 67, 512, 33)),
+        Case("AdamW", "factored"),
     ]
 
     @classmethod
@@ -1270,6 +1270,18 @@ class TestTwoRanks(CaseChecks, expecttest.TestCase):
         problems = reshard_problems(self.RESHARD[0], self.result["reshard"][0], (2, 1, 2))
         if problems:
             self.fail("\n".join(problems))
+
+    def test_factored_dcp_reshard_2_1_2(self):
+        # AdamW with "factored" (fc1.weight's and fc2.weight's exp_avg_sq: row means of 48 and of 34 and 33 rows on
+        # each rank, the whole tensor's column means from the ranks' fp64 column sums and row counts, all-reduced),
+        # trained on 2 ranks; saved by 2, loaded by 1 (each state from rows of both saved shards: slices that keep
+        # the column means), saved again and loaded by 2: bit for bit single-process training after every load and
+        # every stage (the fp64 sums of 2, 1 and one process round to the same fp32 means)
+        problems = reshard_problems(self.RESHARD[4], self.result["reshard"][4], (2, 1, 2))
+        if problems:
+            self.fail("\n".join(problems))
+        stage = self.result["reshard"][4]["stage_2"]
+        self.assertEqual([stage[f"fc{i}.weight.exp_avg_sq"].rows for i in (1, 2)], [96, 67])
 
     def test_tensor_parallel_sgd8bit_fp8(self):
         # Shard(1) on 2 gloo ranks: each quantized matrix's state is its columns of one process's (the layouts of
@@ -1373,13 +1385,19 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
         "hsdp_offload_bf16_in_backward": Case(
             "AdamW", "none", mesh="hsdp", offload=True, bf16=True, grads="in_backward"
         ),
+        # the factored sums reduced over HSDP's shard dimension only (its replicas hold the same rows), by each
+        # parameter's own step in its hook
+        "rmsprop_factored4_hsdp_offload_in_backward": Case(
+            "RMSprop8bit", "factored4", mesh="hsdp", offload=True, grads="in_backward"
+        ),
     }
     RESHARD = Case("AdamW", "dtq8")
 
     @classmethod
     def setUpClass(cls):
         with tempfile.TemporaryDirectory() as out:
-            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD], "cpu", [edge_shards])
+            extras = [edge_shards, functools.partial(edge_shards, fmt="factored")]
+            cls.result = spawn(cases_job, 4, out, list(cls.CASES.values()), [cls.RESHARD], "cpu", extras)
 
     def test_hsdp(self):
         # fully_shard on a (replicate 2, shard 2) mesh: states (Replicate(), Shard(0)), blocks from the global shape
@@ -1401,6 +1419,9 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
     def test_hsdp_cpu_offload_bf16_step_in_backward(self):
         self.check_case("hsdp_offload_bf16_in_backward")
 
+    def test_rmsprop8bit_factored4_hsdp_cpu_offload_step_in_backward(self):
+        self.check_case("rmsprop_factored4_hsdp_offload_in_backward")
+
     def test_dcp_reshard_4_2_1_4(self):
         problems = reshard_problems(self.RESHARD, self.result["reshard"][0])
         if problems:
@@ -1411,9 +1432,19 @@ class TestFourRanks(CaseChecks, expecttest.TestCase):
         # one-row shards keep their row: the same bits as one process (whose layouts these shapes do not change)
         # A state dict of fp32 DTensor states loads quantized with the column maxima all-reduced (each rank holds only
         # its rows of them): as one process quantizes the whole.
-        ref = edge_shards(EdgeShards())
-        ours = self.result["extras"][0]
+        self.check_edge_shards(0, "4bit_rank1")
+
+    def test_factored_empty_and_one_row_shards(self):
+        # As for rank-1 scales, with the column sums and row counts: an empty shard adds none, a one-row shard keeps
+        # one row's mean (fewer rows than a factored matrix of its own would take), and a state dict of fp32 DTensor
+        # states loads with the sums all-reduced: the same bits as one process
+        self.check_edge_shards(1, "factored")
+
+    def check_edge_shards(self, index, fmt):
+        ref = edge_shards(EdgeShards(), fmt)
+        ours = self.result["extras"][index]
         self.assertEqual((ours["trained"]["pos.exp_avg_sq"].rows, ours["trained"]["small.exp_avg_sq"].rows), (8, 3))
+        self.assertIs(type(ours["reloaded"]["small.exp_avg_sq"]), get_state_format(fmt))
         problems = [
             p for what in ref for key in ref[what] for p in same_tensor_problems(ours[what][key], ref[what][key], key)
         ]

@@ -1,3 +1,4 @@
+import io
 from unittest import mock
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 import torchao_optim
 from torchao_optim import Factored4Tensor, FactoredTensor
 from torchao_optim.state.rows import matrix_rows
-from torchao_optim.testing import StateFormatTestCase
+from torchao_optim.testing import StateFormatTestCase, assert_same_tensor
 
 # fp32 means against float64 ones: a sum of n fp32 values is within about n * 2**-24 of its exact value relative to
 # the sum of magnitudes (all non-negative here); the shared cases' rows and columns are at most 4096 long
@@ -142,16 +143,76 @@ class TestFactored(FactoredCase, StateFormatTestCase):
         with self.assertRaisesRegex(ValueError, "negative values.*-1.5"):
             FactoredTensor.from_float(torch.tensor([[1.0, -1.5], [2.0, 3.0]]), signed=False)
         q = FactoredTensor.from_float(torch.rand(8, 512), signed=False)
-        with self.assertRaisesRegex(NotImplementedError, r"shape \(8, 512\) \(rows=8\) cannot be sliced.*\[2:4\]"):
-            q[2:4]
-        self.assertTrue(torch.equal(q[0:8].dequantize(), q.dequantize()))  # every row: a view
-        with self.assertRaisesRegex(NotImplementedError, "cannot be concatenated or padded"):
-            torch.cat([q, q])
-        with self.assertRaisesRegex(NotImplementedError, "cannot be concatenated or padded"):
-            torch.nn.functional.pad(q, (0, 0, 0, 2))
+        with self.assertRaisesRegex(NotImplementedError, r"shape \(8, 512\) \(rows=8\) is sliced along dim 0.*dim=1"):
+            q[:, 2:4]
+        with self.assertRaisesRegex(NotImplementedError, "cannot be requantized on their own"):
+            q[2:4].copy_(torch.zeros(2, 512))
+        with self.assertRaisesRegex(ValueError, "different column means"):
+            torch.cat([q[0:4], FactoredTensor.from_float(torch.rand(4, 512), signed=False)])
+        with self.assertRaisesRegex(NotImplementedError, "zeros after the last row only"):
+            torch.nn.functional.pad(q, (0, 0, 2, 0))
         bad = FactoredTensor(q.shape, q.dtype, **dict(q.fields(), col_mean=-q.col_mean), **q.attrs())
         with self.assertRaisesRegex(ValueError, r"col_mean must be finite and non-negative.*entry 0 holds -"):
             bad.check_fields()
+
+    def test_row_shards_with_the_whole_column_sums(self):
+        # FSDP2's row shards (uneven, one of a single row, and an empty one): each quantized with the column sums and
+        # row counts of every shard, summed, holds exactly its rows of the whole state (fp64 sums of these few rows
+        # are exact, whatever their order), and dequantizes to them
+        x = torch.rand(8, 3, 100)
+        x[6, 1, 7] = 30.0
+        q = FactoredTensor.from_float(x, signed=False)
+        self.assertEqual(FactoredTensor.shared_columns((8, 3, 100), signed=False), 300)
+        self.assertEqual(FactoredTensor.shared_columns((8, 3, 100), signed=True), 0)
+        self.assertEqual(FactoredTensor.shared_columns((1, 300), signed=False), 0)  # a vector: blockwise
+        shards = [(0, 3), (3, 7), (7, 8), (8, 8)]
+        sums = sum(FactoredTensor.column_stat(x[a:b] if b > a else None, b - a, 300) for a, b in shards)
+        self.assertEqual((sums.dtype, sums.shape, sums[-1].item()), (torch.float64, (301,), 8.0))
+        for a, b in shards:
+            attrs = FactoredTensor.shard_attrs((8, 3, 100), (b - a, 3, 100), signed=False, block_size=256)
+            self.assertEqual(attrs["rows"], b - a)  # a shard of one row is one row of the matrix, not a vector
+            shard = FactoredTensor.zeros((b - a, 3, 100), **attrs).assign(x[a:b], columns=sums)
+            assert_same_tensor(self, shard, q[a:b].clone(), f"rows {a}:{b}")
+            self.assertTrue(torch.equal(shard.dequantize(), q.dequantize()[a:b]), f"rows {a}:{b}")
+        # on its own, a shard would store its own column means: other values
+        alone = FactoredTensor.from_float(x[0:3], signed=False)
+        self.assertFalse(torch.equal(alone.dequantize(), q.dequantize()[0:3]))
+
+    def test_row_slices_keep_the_column_means(self):
+        # DCP's resharding and full_tensor(): slices of rows are views (their row means, the whole tensor's column
+        # means), written into rows of another state through them, padded with zero rows and joined again
+        x = torch.rand(1, 8, 512)  # (1, 8, 512): 8 rows of 512 behind a leading one
+        q = FactoredTensor.from_float(x[0], signed=False)
+        whole = q.dequantize()
+        top, bottom = q[0:3], q[3:8]
+        self.assertEqual((top.rows, bottom.rows, q[3:3].rows), (3, 5, 0))
+        self.assertEqual(top.col_mean.data_ptr(), q.col_mean.data_ptr())
+        self.assertTrue(torch.equal(top.dequantize(), whole[0:3]) and torch.equal(bottom.dequantize(), whole[3:8]))
+        # a copy, a pickle, a check: a state of its own, which may be requantized
+        copy = top.clone()
+        self.assertNotEqual(copy.col_mean.data_ptr(), q.col_mean.data_ptr())
+        copy.check_fields()
+        buf = io.BytesIO()
+        torch.save(top, buf)
+        buf.seek(0)
+        self.assertTrue(torch.equal(torch.load(buf, weights_only=True).dequantize(), whole[0:3]))
+        copy.copy_(torch.ones(3, 512))
+        self.assertTrue(torch.equal(copy.dequantize(), torch.ones(3, 512)))
+        # written into rows of another state, through the views: all of it, bit for bit
+        other = FactoredTensor.zeros((8, 512), signed=False)
+        other[3:8].copy_(bottom)
+        other[0:3].copy_(top)
+        self.assertTrue(torch.equal(other.row_mean, q.row_mean) and torch.equal(other.col_mean, q.col_mean))
+        # padded with zero rows (an uneven shard before an all-gather) and joined: the rows, then zeros
+        padded = torch.nn.functional.pad(bottom, (0, 0, 0, 2))
+        self.assertEqual((padded.shape, padded.rows), ((7, 512), 7))
+        self.assertTrue(torch.equal(padded.dequantize()[:5], whole[3:8]) and not padded.dequantize()[5:].any())
+        joined = torch.cat([top, bottom])
+        self.assertEqual(joined.rows, 8)
+        self.assertTrue(torch.equal(joined.dequantize(), whole))
+        # leading ones: dim 0's one index holds every row
+        lead = FactoredTensor.from_float(x, signed=False)
+        self.assertEqual((lead.rows, lead[0:1].rows, lead[1:1].rows), (8, 8, 0))
 
     def test_bytes_per_parameter(self):
         # Adam's two states of a (5632, 2048) matrix (TinyLlama's MLP): the 8-bit exp_avg, and 4 bytes per row and

@@ -204,13 +204,13 @@ class TestFourBitRank1(StateFormatTestCase):
         x = torch.rand(8, 512)
         x[6, 100] = 30.0
         q = FourBitRank1Tensor.from_float(x, signed=False)
-        col_max = FourBitRank1Tensor.column_max(x, 8)
+        col_max = FourBitRank1Tensor.column_stat(x, 8, 512)
         self.assertEqual(FourBitRank1Tensor.shared_columns((8, 512), signed=False), 512)
         self.assertEqual(FourBitRank1Tensor.shared_columns((8, 512), signed=True), 0)
         attrs = FourBitRank1Tensor.shard_attrs((8, 512), (1, 512), signed=False, block_size=128)
         self.assertEqual(attrs["rows"], 1)  # one row of the matrix, not a vector
         shard = FourBitRank1Tensor.zeros((1, 512), **attrs)
-        shard.assign(x[2:3], col_max=col_max)
+        shard.assign(x[2:3], columns=col_max)
         assert_same_tensor(self, shard, q[2:3].clone())
 
     def test_rank1_in_adam(self):

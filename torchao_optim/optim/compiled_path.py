@@ -112,7 +112,7 @@ def step_compiled(optimizer, params: list[Tensor], states: list[dict], group) ->
     (a handful of small kernels, not a handful per parameter), then each parameter's ``_step_one`` (through the
     optimizer's ``_step_params``)."""
     check_state_shapes(params, states, optimizer.STATE_KEYS, optimizer._rounding)
-    columns = ColumnReduce.for_step(params)  # states whose column maxima span ranks (optim/sharded_columns.py)
+    columns = ColumnReduce.for_step(params)  # states whose column statistics span ranks (optim/sharded_columns.py)
     by_device: dict[torch.device, list[int]] = {}
     for i, p in enumerate(params):
         by_device.setdefault(p.device, []).append(i)

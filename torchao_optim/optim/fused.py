@@ -83,13 +83,13 @@ def _triton_importable() -> bool:
 
 
 def fused_available(device: torch.device | None = None) -> bool:
-    """Whether the fused kernels can run on ``device`` (default: on some device of this machine)."""
+    """Whether the Triton kernels can run on ``device`` (default: on some device of this machine): a CUDA device, or
+    the CPU in Triton's interpreter; Triton is imported only then (the C step needs none of it)."""
     if device is None:
         return fused_available("cuda") or fused_available("cpu")
-    if not _triton_importable():
-        return False
     device = torch.device(device)
-    return (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and triton_interpreter())
+    here = (device.type == "cuda" and torch.cuda.is_available()) or (device.type == "cpu" and triton_interpreter())
+    return here and _triton_importable()
 
 
 def _alias0d(base: Tensor, i: int) -> Tensor:
@@ -134,8 +134,10 @@ def unfused_reason(p: Tensor, grad: Tensor, state, rule: FusedRule | None, inter
     return _refusal(local(p), local(grad), state, rule, interpreter)[0]
 
 
-# on every rank, an empty shard's too: the step all-reduces the column maxima (optim/sharded_columns.py)
-_SPANS_RANKS = "its rank-1 scaled state's column maxima span ranks: the per-parameter path all-reduces them"
+# on every rank, an empty shard's too: the step all-reduces the column statistics (optim/sharded_columns.py)
+_SPANS_RANKS = (
+    "its state's column statistics (rank-1 maxima, factored means) span ranks: the per-parameter path all-reduces them"
+)
 
 
 def fused_executor(p: Tensor, interpreter: bool = False) -> str:

@@ -185,6 +185,17 @@ class QuantizedState(torch.Tensor):
         one row, and a shard's state depends on its rows alone."""
         return 0
 
+    # How the row shards' column statistics (:meth:`column_stat`) combine: "max" (rank-1's column maxima) or "sum"
+    # (a factored state's column sums, with its row count)
+    column_reduce: ClassVar[str] = "max"
+
+    @classmethod
+    def column_stat(cls, x: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
+        """A row shard's own statistic of its ``cols`` columns, ``x`` read as ``rows`` rows of them, which the step
+        combines over every row shard with :attr:`column_reduce` and hands to :meth:`assign` as ``columns``; ``x``
+        None: a shard with no rows, whose statistic the reduction ignores. For a format with :meth:`shared_columns`."""
+        raise NotImplementedError(f"{cls.__name__} shares no column statistics across row shards (shared_columns)")
+
     @classmethod
     def shard_attrs(cls, shape: Sequence[int], local_shape: Sequence[int], **attrs) -> dict:
         """The attributes of the state of a row shard of ``local_shape`` of a tensor of global ``shape``, from
@@ -278,10 +289,13 @@ class QuantizedState(torch.Tensor):
     def same_layout(self, other: QuantizedState) -> bool:
         return type(other) is type(self) and other.shape == self.shape and other.attrs() == self.attrs()
 
-    def assign(self, value: torch.Tensor) -> QuantizedState:
-        """Requantize ``value`` (broadcast to this shape) into this tensor's storage, in place."""
+    def assign(self, value: torch.Tensor, columns: torch.Tensor | None = None) -> QuantizedState:
+        """Requantize ``value`` (broadcast to this shape) into this tensor's storage, in place. ``columns``: the column
+        statistics of the whole tensor, where this state is a row shard of it (:meth:`column_stat`, reduced over
+        every shard), which the format's ``quantize_fields`` then takes instead of ``value``'s own."""
         value = value.expand(self.shape) if value.shape != self.shape else value
-        new = self.quantize_fields(value, **self.attrs())
+        extra = {} if columns is None else {"columns": columns}
+        new = self.quantize_fields(value, **extra, **self.attrs())
         for name in self.data_fields():  # the other fields hold sizes, which requantizing does not change
             inner = getattr(self, name)
             inner.copy_(new[name].view(inner.shape))  # (a slice of columns: through its strided views)

@@ -34,7 +34,6 @@ quantized with, so it is exactly those rows of the whole state.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -45,7 +44,7 @@ from torchao_optim.state.base import _OPS, QuantizedState, _copy_, _slice, _slic
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
 from torchao_optim.state.registry import register_state_format
-from torchao_optim.state.rows import RowScaled
+from torchao_optim.state.rows import RowScaled, rows_per_dim0
 
 __all__ = ["FourBitTensor", "FourBitRank1Tensor", "linear_map_without_zero", "quadratic_map"]
 
@@ -184,8 +183,8 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
         super().__init__(shape, dtype, **fields_and_attrs)
 
     @classmethod
-    def quantize_fields(cls, x, col_max=None, **attrs):
-        """As every format's; ``col_max`` (rank-1 scales only): the column maxima to scale by, those of the whole
+    def quantize_fields(cls, x, columns=None, **attrs):
+        """As every format's; ``columns`` (rank-1 scales only): the column maxima to scale by, those of the whole
         tensor where ``x`` is a row shard of it (``shared_columns``), instead of ``x``'s own."""
         rows = attrs["rows"]
         if not rows:
@@ -197,7 +196,7 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
         # would guard on how the two divide, and compile a graph per row count after all
         matrix = finite.reshape(-1).view(rows, -1)  # (rows, cols)
         row_max = matrix.amax(dim=1)  # (rows,)
-        col_max = matrix.amax(dim=0) if col_max is None else col_max  # (cols,)
+        col_max = matrix.amax(dim=0) if columns is None else columns  # (cols,)
         scale = _element_scales(row_max, col_max, x)
         lift = torch.where(scale < TINY, 2.0**64, 1.0)  # as quant.blockwise.normalize: a subnormal scale
         y = x * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
@@ -230,40 +229,25 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
         return self.absmax[: self.rows], self.absmax[start:]
 
     # ---- row shards (FSDP2's Shard(0)): the column maxima of the whole tensor --------------------------------
-    @classmethod
-    def shared_columns(cls, shape: Sequence[int], **attrs) -> int:
-        """How many column maxima a state of global ``shape`` shares across its row shards: its columns, for a
-        rank-1 scaled state (``signed=False``, two or more dimensions besides leading ones); else 0."""
-        rows = cls._with_rows(shape, {"signed": attrs.get("signed")})["rows"]
-        return torch.Size(shape).numel() // rows if rows else 0
+    column_reduce = "max"
 
     @classmethod
-    def shard_attrs(cls, shape: Sequence[int], local_shape: Sequence[int], **attrs) -> dict:
-        """The attributes of the state of a row shard of ``local_shape`` of a tensor of global ``shape``: its rows
-        are rows of the whole tensor's matrix, whatever its own shape says (a shard of one row is no vector)."""
-        cols = cls.shared_columns(shape, **attrs)
-        return dict(attrs, rows=torch.Size(local_shape).numel() // cols if cols else 0)
-
-    @classmethod
-    def column_max(cls, x: torch.Tensor, rows: int) -> torch.Tensor:
-        """The column maxima ``quantize_fields`` would take from ``x`` read as ``rows`` rows (fp32 ``(cols,)``)."""
+    def column_stat(cls, x: torch.Tensor | None, rows: int, cols: int) -> torch.Tensor:
+        """The column maxima ``quantize_fields`` would take from ``x`` read as ``rows`` rows (fp32 ``(cols,)``); zeros
+        for no rows (maxima are >= 0)."""
+        if x is None or not rows:
+            return torch.zeros(cols, dtype=torch.float32, device=None if x is None else x.device)
         finite = torch.where(torch.isfinite(x), x.float().abs(), 0.0)
         return finite.reshape(-1).view(rows, -1).amax(dim=0)
 
-    def assign(self, value: torch.Tensor, col_max: torch.Tensor | None = None) -> QuantizedState:
-        """As every format's; with ``col_max``, scaled by those column maxima (see ``quantize_fields``)."""
+    def assign(self, value: torch.Tensor, columns: torch.Tensor | None = None) -> QuantizedState:
+        """As every format's; with ``columns``, scaled by those column maxima (see ``quantize_fields``)."""
         if self._col_start is not None:
             raise NotImplementedError(
                 f"{type(self).__name__}: rows of a rank-1 normalized state (rows={self.rows}) cannot be "
                 f"requantized on their own: their column maxima are those of every row; write the whole state"
             )
-        if not self.rows:
-            return super().assign(value)
-        value = value.expand(self.shape) if value.shape != self.shape else value
-        new = self.quantize_fields(value, col_max=col_max, **self.attrs())
-        for name in self.data_fields():
-            getattr(self, name).copy_(new[name])
-        return self
+        return super().assign(value, columns if self.rows else None)
 
     def compact(self) -> FourBitRank1Tensor:
         """This state with its own ``absmax`` (``rows`` row maxima, then the column maxima): itself if it is
@@ -295,16 +279,6 @@ def _element_scales(row_max: torch.Tensor, col_max: torch.Tensor, like: torch.Te
     return torch.minimum(row_max[:, None], col_max[None, :]).view(-1).view(like.shape)
 
 
-def _rows_per_dim0(self) -> int:
-    """How many rows of the ``(rows, cols)`` matrix one index of dim 0 holds: 1, or all of them where dim 0 is one
-    of the leading dimensions of size one (a ``(1, 197, 768)`` position embedding)."""
-    if not self.shape or self.shape[0] == 0 or self.rows % self.shape[0]:
-        raise ValueError(
-            f"{type(self).__name__}: dim 0 of shape {tuple(self.shape)} does not split its {self.rows} rows evenly"
-        )
-    return self.rows // self.shape[0]
-
-
 def _rank1(t) -> bool:
     return isinstance(t, FourBitRank1Tensor) and bool(t.rows)
 
@@ -330,7 +304,7 @@ def _slice_rank1(func, args, kwargs):
     shape = (end - start,) + tuple(self.shape[1:])
     if start == end:  # no rows: an empty state, which holds no scale
         return type(self).zeros(shape, device=self.device, dtype=self.dtype, **dict(self.attrs(), rows=0))
-    k = _rows_per_dim0(self)
+    k = rows_per_dim0(self)
     cols = self.numel() // self.rows
     first, last = start * k * cols, end * k * cols  # elements
     if first % 2:
@@ -397,7 +371,7 @@ def _pad_rank1(func, args, kwargs):
         )
     if not pad[-1]:
         return self
-    self, after = self.compact(), pad[-1] * _rows_per_dim0(self)
+    self, after = self.compact(), pad[-1] * rows_per_dim0(self)
     row_max, col_max = self.maxima()
     codes = self.codes.new_zeros(after * (self.numel() // self.rows) // 2)
     fields = dict(codes=torch.cat([self.codes, codes]), absmax=torch.cat([row_max, row_max.new_zeros(after), col_max]))

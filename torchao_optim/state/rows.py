@@ -12,7 +12,7 @@ import torch
 
 from torchao_optim.state.layout import StateLayout
 
-__all__ = ["RowScaled", "matrix_rows"]
+__all__ = ["RowScaled", "matrix_rows", "rows_per_dim0"]
 
 
 def matrix_rows(shape: Sequence[int], signed: bool | None, min_rows: int = 1) -> int:
@@ -70,14 +70,29 @@ class RowScaled:
 
     @classmethod
     def check_attrs(cls, shape: Sequence[int], **attrs) -> None:
+        # any row count that divides the elements: a row shard of a matrix (FSDP2) may hold fewer than min_rows rows
         super().check_attrs(shape, **attrs)
         rows, numel = attrs["rows"], torch.Size(shape).numel()
-        if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or rows < cls.min_rows or numel % rows)):
-            least = f" of at least {cls.min_rows}" if cls.min_rows > 1 else ""
+        if not isinstance(rows, int) or rows < 0 or (rows and (attrs["signed"] or numel % rows)):
             raise ValueError(
                 f"{cls.__name__}: rows={rows!r} does not describe a tensor of {numel} elements with "
-                f"signed={attrs['signed']} (0, or a divisor of numel{least} for signed=False)"
+                f"signed={attrs['signed']} (0, or a divisor of numel for signed=False)"
             )
+
+    # ---- row shards (FSDP2's Shard(0)): the column statistics of the whole tensor --------------------------------
+    @classmethod
+    def shared_columns(cls, shape: Sequence[int], **attrs) -> int:
+        """How many column statistics a state of global ``shape`` shares across its row shards: its columns, for a
+        state with rows (``signed=False``, two or more dimensions besides leading ones); else 0."""
+        rows = cls._with_rows(shape, {"signed": attrs.get("signed")})["rows"]
+        return torch.Size(shape).numel() // rows if rows else 0
+
+    @classmethod
+    def shard_attrs(cls, shape: Sequence[int], local_shape: Sequence[int], **attrs) -> dict:
+        """The attributes of the state of a row shard of ``local_shape`` of a tensor of global ``shape``: its rows
+        are rows of the whole tensor's matrix, whatever its own shape says (a shard of one row is no vector)."""
+        cols = cls.shared_columns(shape, **attrs)
+        return dict(attrs, rows=torch.Size(local_shape).numel() // cols if cols else 0)
 
     def __tensor_flatten__(self):
         attrs = tuple((k, v) for k, v in self.attrs().items() if k != "rows")
@@ -91,3 +106,13 @@ class RowScaled:
     def fast_path_layout(self) -> StateLayout | None:
         # scales per row and column are no blockwise absmax: the fused kernels cannot read them
         return None if self.rows else super().fast_path_layout()
+
+
+def rows_per_dim0(state) -> int:
+    """How many rows of the ``(rows, cols)`` matrix one index of dim 0 of ``state`` holds: 1, or all of them where
+    dim 0 is one of the leading dimensions of size one (a ``(1, 197, 768)`` position embedding)."""
+    if not state.shape or state.shape[0] == 0 or state.rows % state.shape[0]:
+        raise ValueError(
+            f"{type(state).__name__}: dim 0 of shape {tuple(state.shape)} does not split its {state.rows} rows evenly"
+        )
+    return state.rows // state.shape[0]
