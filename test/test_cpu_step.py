@@ -259,9 +259,11 @@ def test_is_the_default_on_cpu_and_needs_no_compile():
 # by this package's code is recorded (torch's own probe, when an optimizer first imports torch._dynamo, is answered
 # as a missing package and not counted), then the fused C step trains and explain() says so.
 WITHOUT_TRITON = """
-import importlib.abc, sys, traceback
+import importlib.abc, importlib.util, os, sys, traceback
 
 ours = []
+# this package's own files (a path that merely contains its name, such as a virtual environment's, is not ours)
+PACKAGE = os.path.realpath(importlib.util.find_spec("torchao_optim").submodule_search_locations[0]) + os.sep
 
 
 class NoTriton(importlib.abc.MetaPathFinder):
@@ -269,7 +271,7 @@ class NoTriton(importlib.abc.MetaPathFinder):
         if name.split(".")[0] == "triton":
             # the importing line: the innermost frame outside importlib and this finder
             importer = [f for f in traceback.extract_stack()[:-1] if not f.filename.startswith("<frozen")][-1]
-            if "torchao_optim" in importer.filename:
+            if os.path.realpath(importer.filename).startswith(PACKAGE):
                 ours.append(f"{name} by {importer.filename}:{importer.lineno}")
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
         return None
