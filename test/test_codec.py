@@ -134,12 +134,22 @@ def test_one_load_tables_of_the_built_in_codebooks():
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="the fused CPU step could not be built (no C compiler)")
-@pytest.mark.parametrize("compact", [True, False], ids=["first-table-in-registers", "two-loads"])
-def test_cpu_encoder_equals_search(case, compact):
+@pytest.mark.parametrize(
+    "form, compact",
+    [("two_loads", True), ("two_loads", False), ("one_load", True)],
+    ids=["first-table-in-registers", "two-loads", "one-load"],
+)
+def test_cpu_encoder_equals_search(case, form, compact):
     from torchao_optim.kernels.cpu import quantize_nearest_cpu
+    from torchao_optim.kernels.tables import CPU_FLAT_MAX_BITS
+    from torchao_optim.quant.codec import flat_keyed
 
     name, codebook, never_zero, y, ref = case
-    assert torch.equal(quantize_nearest_cpu(y, codebook, never_zero, compact=compact), ref), name
+    if form == "one_load" and flat_keyed(tuple(codebook), never_zero, CPU_FLAT_MAX_BITS) is None:
+        with pytest.raises(ValueError, match="bits per exponent"):
+            quantize_nearest_cpu(y, codebook, never_zero, form=form)
+        return
+    assert torch.equal(quantize_nearest_cpu(y, codebook, never_zero, compact=compact, form=form), ref), name
 
 
 def test_rule_is_nearest_with_ties_toward_zero():

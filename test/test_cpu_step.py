@@ -345,7 +345,7 @@ def test_built_once_into_the_cache_directory(monkeypatch, tmp_path):
 
 
 def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
-    """Built without ``-march=native`` (no AVX-512 code: the encoder's two table loads, SSE2 loops), the step
+    """Built without ``-march=native`` (no AVX-512 code: the plain loops of the decode and the encoders), the step
     stores the same bytes as the build for this machine: the vector paths change speed, never a result."""
     results = []
     try:

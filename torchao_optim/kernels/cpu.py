@@ -239,9 +239,9 @@ def _load(rules) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(compiler, step_source(rules))))
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32] * MAX_STATES + [i32] * 10 + [i64]
+    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32, i32] * MAX_STATES + [i32] * 10 + [i64]
     fn.restype = i32
-    lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32]
+    lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32, i32, i32]
     lib.torchao_optim_cpu_encode.restype = None
     lib.torchao_optim_cpu_use_openmp.argtypes = [ptr, ptr, ptr]
     lib.torchao_optim_cpu_has_fp16.restype = i32
@@ -333,17 +333,37 @@ def cpu_rule(rule) -> tuple[ctypes.CDLL, int]:
         raise RuntimeError(f"the fused CPU step for rule {rule.name!r} could not be built: {err}") from err
 
 
-def quantize_nearest_cpu(y: torch.Tensor, codebook, never_zero: bool = False, compact: bool = True) -> torch.Tensor:
+def quantize_nearest_cpu(
+    y: torch.Tensor, codebook, never_zero: bool = False, compact: bool = True, form: str = "two_loads"
+) -> torch.Tensor:
     """``torchao_optim.quant.quantize_nearest`` through this file's encoder (for tests): uint8 codes of ``y``
-    (fp32 in [-1, 1], on the CPU). ``compact=False`` takes the path of two table loads even where the codebook
-    allows the first table in registers (``cpu_step.c``, ``make_encoder``)."""
+    (fp32 in [-1, 1], on the CPU). ``form="one_load"`` takes ``codec.flat_keyed``'s one table (the form the step uses
+    where the codebook allows, ``kernels.tables.flat_shift``; ValueError where it does not); else the two tables of
+    ``codec.BucketTables``, with ``compact=False`` the path of two table loads even where the codebook allows the
+    first table in registers (``cpu_step.c``, ``make_encoder``)."""
+    from torchao_optim.kernels.tables import CPU_FLAT_MAX_BITS
     from torchao_optim.quant import bucket_tables
+    from torchao_optim.quant.codec import flat_keyed
 
-    tables = bucket_tables(tuple(codebook), never_zero)
-    level1, level2 = tables.level1_by_bits(), tables.level2_with_bounds()
+    shift = 0
+    if form == "one_load":
+        one = flat_keyed(tuple(codebook), never_zero, CPU_FLAT_MAX_BITS)
+        if one is None:
+            raise ValueError(f"codebook {tuple(codebook)} needs more than {CPU_FLAT_MAX_BITS} bits per exponent")
+        (level1, shift), level2 = one, one[0]
+    else:
+        tables = bucket_tables(tuple(codebook), never_zero)
+        level1, level2 = tables.level1_by_bits(), tables.level2_with_bounds()
     y = y.detach().to(torch.float32).contiguous()
     out = torch.empty(y.shape, dtype=torch.uint8)
     cpu_kernels().torchao_optim_cpu_encode(
-        y.data_ptr(), out.data_ptr(), y.numel(), level1.data_ptr(), level2.data_ptr(), int(compact)
+        y.data_ptr(),
+        out.data_ptr(),
+        y.numel(),
+        level1.data_ptr(),
+        level2.data_ptr(),
+        int(compact),
+        shift,
+        int(min(codebook) < 0),
     )
     return out

@@ -10,8 +10,10 @@
  * Each quantization block is worked in passes over small buffers that stay in L1: decode the states (and
  * convert a parameter or gradient that is not fp32; fp32 ones are updated where they are); the update rule;
  * store a converted parameter back; take each state's absmax and encode it. Every pass is a plain loop the
- * compiler vectorizes (the decode and the encoder's table loads become gathers); the encoder's first table
- * comes from vector registers where the codebook allows (AVX-512). It knows no rule either: each rule's update is
+ * compiler vectorizes, with hand-written AVX-512 forms where they pay: an 8-bit decode of byte permutes (VBMI) and
+ * a 4-bit one of register permutes, no gathers; an encoder of one gather per 16 values where the codebook needs at
+ * most a few mantissa bits per exponent (codec.flat_keyed; the built-in ones do), else of two tables, the first from
+ * vector registers where the codebook allows. It knows no rule either: each rule's update is
  * C source in the rule's file (rules/<name>.py, FusedRule.c_source), its plain tensor update operation for
  * operation, which kernels/cpu.py puts in at the marker line below ("the update rules") with the table the step
  * calls it through; the build turns off floating-point contraction, so no multiply-add rounds differently from
@@ -29,6 +31,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define AVX512 1 /* the hand-written vector paths; the plain loops serve every other CPU */
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define VBMI 1 /* byte permutes: the 8-bit decode without gathers */
+#endif
 #endif
 
 #define MAX_BLOCK 4096
@@ -108,9 +113,53 @@ NOINLINE static void store_param(const float *restrict p, void *base, int64_t st
 }
 
 /* ---- a state: decode one block, encode it back ------------------------------------------------------- */
+/* An 8-bit codebook as four planes of bytes, plane j holding byte j of each value's fp32 pattern: one byte permute
+   over two registers looks up 64 codes' byte j at once in 128 entries (AVX-512 VBMI), where a gather loads 16 values
+   a lane at a time. Filled for every 8-bit state at the start of a step (make_decoder). */
+typedef struct {
+    uint8_t planes[4][256];
+} Decoder8;
+
+static void make_decoder(Decoder8 *D, const float *table) {
+    for (int k = 0; k < 256; k++)
+        for (int j = 0; j < 4; j++) D->planes[j][k] = (uint8_t)(bits_of(table[k]) >> (8 * j));
+}
+
 NOINLINE static void decode8(float *restrict dst, const uint8_t *restrict c, int n, float scale,
-                    const float *restrict table) {
-    for (int i = 0; i < n; i++) dst[i] = table[c[i]] * scale;
+                             const float *restrict table, const Decoder8 *restrict D) {
+    int i = 0;
+#ifdef VBMI
+    /* Per 64 codes: each plane's byte from two permutes (codes 0-127, 128-255) and a blend on the code's top bit;
+       then the planes interleaved into fp32 patterns. The interleave (unpack within 128-bit lanes) leaves register q,
+       lane L, slot k holding position 16 L + 4 q + k, so the codes are first put in that order: position 16 L + 4 q + k
+       takes code 16 q + 4 L + k. */
+    __m512i plane[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 4; h++) plane[j][h] = _mm512_loadu_si512(D->planes[j] + 64 * h);
+    uint8_t order_bytes[64];
+    for (int L = 0; L < 4; L++)
+        for (int q = 0; q < 4; q++)
+            for (int k = 0; k < 4; k++) order_bytes[16 * L + 4 * q + k] = (uint8_t)(16 * q + 4 * L + k);
+    const __m512i order = _mm512_loadu_si512(order_bytes);
+    const __m512 s = _mm512_set1_ps(scale);
+    for (; i + 64 <= n; i += 64) {
+        __m512i codes = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + i));
+        __mmask64 high = _mm512_movepi8_mask(codes);
+        __m512i b[4];
+        for (int j = 0; j < 4; j++)
+            b[j] = _mm512_mask_blend_epi8(high, _mm512_permutex2var_epi8(plane[j][0], codes, plane[j][1]),
+                                          _mm512_permutex2var_epi8(plane[j][2], codes, plane[j][3]));
+        __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+        __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+        _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(lo01, lo23)), s));
+        _mm512_storeu_ps(dst + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(lo01, lo23)), s));
+        _mm512_storeu_ps(dst + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)), s));
+        _mm512_storeu_ps(dst + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)), s));
+    }
+#else
+    (void)D;
+#endif
+    for (; i < n; i++) dst[i] = table[c[i]] * scale;
 }
 
 NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int n, float scale,
@@ -137,9 +186,9 @@ NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int
 }
 
 static void decode(float *restrict dst, int64_t codes, int64_t scales, int64_t start, int64_t blk, int n, int kind,
-                   const float *restrict table) {
+                   const float *restrict table, const Decoder8 *D) {
     if (kind == PLAIN) memcpy(dst, (const float *)codes + start, (size_t)n * 4);
-    else if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, ((const float *)scales)[blk], table);
+    else if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, ((const float *)scales)[blk], table, D);
     else decode4(dst, (const uint8_t *)codes + start / 2, n, ((const float *)scales)[blk], table);
 }
 
@@ -156,23 +205,39 @@ static inline int32_t encode(float y, const int32_t *restrict level1, const int3
     return (packed & 255) + up;
 }
 
-/* An encoder: codec.BucketTables' two tables, and where the codebook allows, the first table in a form
-   that needs no memory load. Exponents 1..96 (magnitudes below 2**-31) of most codebooks are one bucket each,
+/* codec.flat_keyed's encoder, one table load: the code of y from its sign, exponent and top mantissa bits (the
+   index) and its mantissa (the key), which carries into the entry's top byte exactly where y passes the bucket's
+   boundary. For a codebook with negative values the key's bits are flipped for y < 0 (flip: all ones), whose rows
+   the table holds reversed; a codebook without gives every negative y one code and its table's rows as they are
+   (flip: 0). */
+static inline int32_t encode_flat(float y, const int32_t *restrict table, int shift, uint32_t flip) {
+    uint32_t b = bits_of(y + 0.0f); /* -0.0 encodes as 0.0 */
+    uint32_t key = (b ^ ((uint32_t)((int32_t)b >> 31) & flip)) & 0x7FFFFFu;
+    return (int32_t)(((uint32_t)table[(int32_t)(b >> shift)] + key) >> 24);
+}
+
+/* An encoder: codec.flat_keyed's one table where the codebook needs few mantissa bits per exponent (flat_shift > 0:
+   kernels/tables.py picks), else codec.BucketTables' two tables, and where the codebook allows, the first table in
+   a form that needs no memory load. Exponents 1..96 (magnitudes below 2**-31) of most codebooks are one bucket each,
    all with the same code and no decision boundary: then every exponent is clamped to [96, 127] and its entry
    found among 32 values held in two vector registers per sign (exponent 0, zero and subnormals, may differ:
    never_zero puts a boundary there; it is looked up apart). */
 typedef struct {
     const int32_t *level1, *level2;
+    int flat_shift; /* > 0: level1 is the one table of codec.flat_keyed, this its shift */
+    uint32_t flip;  /* encode_flat's: all ones for a codebook with negative values */
     int compact;
     int32_t by_exponent[2][32]; /* level1 for exponents 96..127, per sign */
     int32_t zero[2];            /* level1 for exponent 0, per sign */
 } Encoder;
 
-static void make_encoder(Encoder *E, const int32_t *level1, const int32_t *level2) {
+static void make_encoder(Encoder *E, const int32_t *level1, const int32_t *level2, int flat_shift, int has_negative) {
     E->level1 = level1;
     E->level2 = level2;
+    E->flat_shift = flat_shift;
+    E->flip = has_negative ? 0xFFFFFFFFu : 0u;
     E->compact = 0;
-    if (!level1) return;
+    if (!level1 || flat_shift > 0) return;
     for (int s = 0; s < 2; s++) {
         const int32_t *l1 = level1 + 256 * s;
         if ((l1[96] & 31) != 23) return;
@@ -209,6 +274,15 @@ static inline __m512i encode16(__m512 y, const Encoder *E, __m512i pos0, __m512i
     return _mm512_mask_add_epi32(code, up, code, ones);
 }
 
+/* encode_flat() on 16 values */
+static inline __m512i encode16_flat(__m512 y, const int32_t *table, __m128i shift, __m512i flip) {
+    __m512i b = _mm512_castps_si512(_mm512_add_ps(y, _mm512_setzero_ps()));
+    __m512i entry = _mm512_i32gather_epi32(_mm512_srl_epi32(b, shift), table, 4);
+    __m512i key = _mm512_and_si512(_mm512_xor_si512(b, _mm512_and_si512(_mm512_srai_epi32(b, 31), flip)),
+                                   _mm512_set1_epi32(0x7FFFFF));
+    return _mm512_srli_epi32(_mm512_add_epi32(entry, key), 24);
+}
+
 #define ENCODER_REGISTERS(E)                                                                                    \
     __m512i pos0 = _mm512_loadu_si512(E->by_exponent[0]), pos1 = _mm512_loadu_si512(E->by_exponent[0] + 16);   \
     __m512i neg0 = _mm512_loadu_si512(E->by_exponent[1]), neg1 = _mm512_loadu_si512(E->by_exponent[1] + 16);   \
@@ -218,6 +292,43 @@ static inline __m512i encode16(__m512 y, const Encoder *E, __m512i pos0, __m512i
 
 /* The loops over codes are functions of their own: restrict-qualified parameters tell the compiler that
    the byte stores alias none of the inputs, which it needs to vectorize them (as gathers). */
+NOINLINE static void encode8_flat(const float *restrict x, uint8_t *restrict c, int n, float inv,
+                                  const int32_t *restrict table, int shift, uint32_t flip) {
+    int i = 0;
+#ifdef AVX512
+    const __m512 scale = _mm512_set1_ps(inv);
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m512i flips = _mm512_set1_epi32((int32_t)flip);
+    for (; i + 16 <= n; i += 16) {
+        __m512i codes = encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + i), scale), table, count, flips);
+        _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(codes));
+    }
+#endif
+    for (; i < n; i++) c[i] = (uint8_t)encode_flat(x[i] * inv, table, shift, flip);
+}
+
+NOINLINE static void encode4_flat(const float *restrict x, uint8_t *restrict c, int n, float inv,
+                                  const int32_t *restrict table, int shift, uint32_t flip) {
+    int half = n / 2, j = 0;
+#ifdef AVX512
+    const __m512 scale = _mm512_set1_ps(inv);
+    const __m128i count = _mm_cvtsi32_si128(shift);
+    const __m512i flips = _mm512_set1_epi32((int32_t)flip);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (; j + 16 <= half; j += 16) { /* 32 elements, 16 bytes */
+        __m512i a = encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale), table, count, flips);
+        __m512i b = encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale), table, count, flips);
+        __m512i lo = _mm512_permutex2var_epi32(a, even, b), hi = _mm512_permutex2var_epi32(a, odd, b);
+        _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
+    }
+#endif
+    for (; j < half; j++)
+        c[j] = (uint8_t)(encode_flat(x[2 * j] * inv, table, shift, flip) |
+                         (encode_flat(x[2 * j + 1] * inv, table, shift, flip) << 4));
+    if (n & 1) c[half] = (uint8_t)encode_flat(x[n - 1] * inv, table, shift, flip); /* the high nibble past the end: 0 */
+}
+
 NOINLINE static void encode8_tables(const float *restrict x, uint8_t *restrict c, int n, float inv,
                                     const int32_t *restrict level1, const int32_t *restrict level2) {
     for (int i = 0; i < n; i++) c[i] = (uint8_t)encode(x[i] * inv, level1, level2);
@@ -233,6 +344,10 @@ NOINLINE static void encode4_tables(const float *restrict x, uint8_t *restrict c
 
 /* With the first table in registers where the codebook allows it (AVX-512), then the table loop for the rest */
 NOINLINE static void encode8(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
+    if (E->flat_shift > 0) {
+        encode8_flat(x, c, n, inv, E->level1, E->flat_shift, E->flip);
+        return;
+    }
     int i = 0;
 #ifdef AVX512
     if (E->compact) {
@@ -246,6 +361,10 @@ NOINLINE static void encode8(const float *restrict x, uint8_t *restrict c, int n
 }
 
 NOINLINE static void encode4(const float *restrict x, uint8_t *restrict c, int n, float inv, const Encoder *E) {
+    if (E->flat_shift > 0) {
+        encode4_flat(x, c, n, inv, E->level1, E->flat_shift, E->flip);
+        return;
+    }
     int half = n / 2, j = 0;
 #ifdef AVX512
     if (E->compact) {
@@ -306,7 +425,9 @@ typedef struct {
     int n_states, n_coefs, block, rule, param_dtype, grad_dtype;
     int option, maximize, sr;  /* option: the rule's (FusedRule.option), passed to its update */
     const int64_t *first_block; /* (n + 1,): prefix sums of blocks per tensor */
-    Encoder encoders[MAX_STATES]; /* per state: codec.BucketTables' level1_by_bits and level2_with_bounds */
+    Encoder encoders[MAX_STATES]; /* per state: codec.flat_keyed's table, or codec.BucketTables' level1_by_bits and
+                                     level2_with_bounds */
+    Decoder8 decoders[MAX_STATES]; /* per 8-bit state: its codebook as byte planes */
 } Job;
 
 /* ---- the update rules ---------------------------------------------------------------------------------
@@ -342,7 +463,8 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     if (!direct_p) load_floats(P, (const void *)row[0], start, n, job->param_dtype, 0);
     if (!direct_g) load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
     for (int k = 0; k < job->n_states; k++)
-        decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k]);
+        decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k],
+               &job->decoders[k]);
     const float *c = job->coefs + t * job->n_coefs;
     RULES[job->rule].update(job, p, g, S0, S1, S2, n, c);
     if (!direct_p) {
@@ -407,9 +529,9 @@ static void team_member(void *arg) { /* each member takes every team-size-th ran
 int torchao_optim_cpu_step(
     int64_t n_tensors, const int64_t *ptrs, const int64_t *grad_ptrs, const int64_t *numels, const float *coefs,
     const float *steps, const int64_t *round_info,
-    const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0,
-    const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1,
-    const float *values2, const int32_t *level1_2, const int32_t *level2_2, int kind2,
+    const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0, int flat0,
+    const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1, int flat1,
+    const float *values2, const int32_t *level1_2, const int32_t *level2_2, int kind2, int flat2,
     int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
     int option, int maximize, int sr, int n_threads, int64_t min_blocks_per_thread) {
     if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
@@ -423,9 +545,12 @@ int torchao_optim_cpu_step(
                {values0, values1, values2}, {kind0, kind1, kind2},
                n_states, n_coefs, block, rule, param_dtype, grad_dtype, option, maximize, sr,
                first_block};
-    make_encoder(&job.encoders[0], level1_0, level2_0);
-    make_encoder(&job.encoders[1], level1_1, level2_1);
-    make_encoder(&job.encoders[2], level1_2, level2_2);
+    /* a codebook is sorted: it has negative values where its first is one */
+    make_encoder(&job.encoders[0], level1_0, level2_0, flat0, values0 && values0[0] < 0.0f);
+    make_encoder(&job.encoders[1], level1_1, level2_1, flat1, values1 && values1[0] < 0.0f);
+    make_encoder(&job.encoders[2], level1_2, level2_2, flat2, values2 && values2[0] < 0.0f);
+    for (int k = 0; k < n_states; k++)
+        if (job.kinds[k] == CODES8) make_decoder(&job.decoders[k], job.values[k]);
     int64_t useful = min_blocks_per_thread > 0 ? total / min_blocks_per_thread : total;
     int threads = n_threads < 1 ? 1 : n_threads;
     if (threads > useful) threads = useful < 1 ? 1 : (int)useful;
@@ -455,11 +580,12 @@ int torchao_optim_cpu_step(
     return 0;
 }
 
-/* codec.encode over n values (fp32 in [-1, 1], no NaN) through this file's encoders: for testing them. */
+/* codec.encode over n values (fp32 in [-1, 1], no NaN) through this file's encoders: for testing them. flat_shift > 0:
+   level1 is codec.flat_keyed's table, of a codebook with negative values where has_negative. */
 void torchao_optim_cpu_encode(const float *y, uint8_t *out, int64_t n, const int32_t *level1, const int32_t *level2,
-                              int compact) {
+                              int compact, int flat_shift, int has_negative) {
     Encoder E;
-    make_encoder(&E, level1, level2);
+    make_encoder(&E, level1, level2, flat_shift, has_negative);
     E.compact &= compact; /* compact 0: the path of the two table loads */
     for (int64_t i = 0; i < n; i += MAX_BLOCK) {
         int m = n - i < MAX_BLOCK ? (int)(n - i) : MAX_BLOCK;

@@ -3,7 +3,8 @@
 :mod:`torchao_optim.quant.codec` builds the encoder's forms (``BucketTables``, ``flat_keyed``, ``grid_bits``,
 ``nibble_pairs``) for any codebook and knows no kernel. Which form each kernel family reads is the kernels'
 choice, made here: the Triton kernels decode 4-bit codes a byte at a time and take their encoder as a constexpr
-(``FLAT``: one table load, two, or an even grid's arithmetic), the C step reads the two-level tables with bounds.
+(``FLAT``: one table load, two, or an even grid's arithmetic); the C step takes the one-load table where the codebook
+allows it, else the two-level tables with bounds.
 The tables are built once per (codebook, device, executor) and kept.
 """
 
@@ -17,7 +18,15 @@ from torch import Tensor
 from torchao_optim.quant import bucket_tables
 from torchao_optim.quant.codec import flat_keyed, grid_bits, nibble_pairs
 
-__all__ = ["FLAT_MAX_BITS", "layout_tables", "decode_table", "flat_shift", "codebook_flat_shift", "encoder_tables"]
+__all__ = [
+    "CPU_FLAT_MAX_BITS",
+    "FLAT_MAX_BITS",
+    "layout_tables",
+    "decode_table",
+    "flat_shift",
+    "codebook_flat_shift",
+    "encoder_tables",
+]
 
 # The encoder in one table load (codec.flat_keyed) for a codebook whose exponents need at most this many mantissa
 # bits each (a table of 512 << bits int32); two loads for the others (0: always two). The 4-bit codebooks need 3, the
@@ -25,6 +34,9 @@ __all__ = ["FLAT_MAX_BITS", "layout_tables", "decode_table", "flat_shift", "code
 # with benchmarks/tune_fused.py, TinyLlama geometry (figures in benchmarks/README.md): 4-bit bf16 12% faster
 # (with the byte-pair decode), dtq8 bf16 6% (ViT-B too); fp32 parameters, at their floor already, unchanged.
 FLAT_MAX_BITS = 7
+# The same limit for the fused C step, whose one-load encoder is a gather of 16 lanes, with a handful of integer
+# operations in place of the two-load form's twenty or so (cpu_step.c); measured in benchmarks/README.md ("CPU").
+CPU_FLAT_MAX_BITS = 7
 
 
 def layout_tables(layout, device, executor: str) -> tuple[Tensor, ...]:
@@ -50,10 +62,14 @@ def decode_table(layout, device, executor: str) -> Tensor:
 
 
 def flat_shift(layout, executor: str) -> int:
-    """The Triton kernels' ``FLAT`` constexpr for a layout, the form of its encoder (:func:`codebook_flat_shift`); 0
-    for plain fp32 state and the other executors."""
-    if not layout.quantized or executor != "triton":
+    """The form of a layout's encoder for ``executor``'s kernels: the Triton kernels' ``FLAT`` constexpr
+    (:func:`codebook_flat_shift`); for the fused C step, the shift of its one-load encoder where the codebook needs at
+    most :data:`CPU_FLAT_MAX_BITS` mantissa bits per exponent, else 0 (two loads; the C step has no arithmetic grid
+    form); 0 for plain fp32 state and the compiled path."""
+    if not layout.quantized or executor not in ("triton", "cpu"):
         return 0
+    if executor == "cpu":
+        return codebook_flat_shift(layout.codebook, layout.never_zero, CPU_FLAT_MAX_BITS, grid=False)
     return codebook_flat_shift(layout.codebook, layout.never_zero, FLAT_MAX_BITS)
 
 
