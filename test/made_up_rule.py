@@ -137,6 +137,7 @@ class DecayingMomentum8bit(LowBitOptimizer):
         min_quant_size=4096,
         compile=True,
         fused=None,
+        offload_state=False,
     ) -> None:
         defaults = dict(
             lr=lr,
@@ -149,7 +150,7 @@ class DecayingMomentum8bit(LowBitOptimizer):
             block_size=block_size,
             min_quant_size=min_quant_size,
         )
-        super().__init__(params, defaults, compile=compile, fused=fused)
+        super().__init__(params, defaults, compile=compile, fused=fused, offload_state=offload_state)
 
     def _check_hyperparams(self, group) -> None:
         check_number("learning rate", group["lr"])

@@ -79,11 +79,10 @@ def test_centered_rmsprop_keeps_grad_avg_signed(momentum):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="offload_state needs CUDA")
 def test_offloaded_state_refuses_what_it_cannot_stream():
-    """Offloaded state streams through the fused CUDA kernels, which create it as zeros: centered RMSprop (no Triton
-    kernel) and a nonzero initial accumulator are refused by name."""
+    """Offloaded state streams through the fused CUDA kernels, which create it as zeros: a nonzero initial accumulator
+    is refused by name; every RMSprop, centered or not, is streamed."""
     ps = [p.cuda() for p in params()]
-    with pytest.raises(ValueError, match=r"offload_state=True needs the fused CUDA path.*'rmsprop_centered'"):
-        RMSprop8bit(ps, centered=True, offload_state=True)
+    RMSprop8bit(ps, centered=True, offload_state=True)
     with pytest.raises(ValueError, match=r"Invalid initial_accumulator_value value: 0\.1 with offload_state=True"):
         Adagrad8bit(ps, initial_accumulator_value=0.1, offload_state=True)
     Adagrad8bit(ps, offload_state=True)

@@ -95,7 +95,7 @@ FUSED_IN_CI = ("adamw", "sgd")
 # three states (and centered RMSprop's two) in every format, each of their cases about 0.02 s, the third state's
 # slot being new (AdEMAMix with its schedulers and maximize, in dtq8); in Triton's interpreter, the one-state kernel
 # with an unsigned state (Adagrad's sum) and the two-state kernel with an unsigned first state (RMSprop's
-# square_avg); centered RMSprop's and AdEMAMix's per-parameter path eagerly in fp32 state and 4bit, with AdEMAMix's
+# square_avg; centered RMSprop's update, in fp32 state and dtq8); centered RMSprop's and AdEMAMix's per-parameter path eagerly in fp32 state and 4bit, with AdEMAMix's
 # schedulers in fp8; compiled in dtq8 with --runslow (about 45 s a configuration on a CPU). The formats' codes are
 # read and written alike by every rule of a kernel (the other rows cover each format); the rest runs with --runslow.
 # Adam with amsgrad runs eagerly in every format (compiled_on_cpu) and on the C step. The rules of three states in
@@ -107,7 +107,7 @@ SAMPLED_IN_CI = {
     "rmsprop": {("none", "cpu"), ("dtq8", "cpu")},
     "rmsprop-momentum": {("none", "cpu"), ("dtq8", "cpu"), ("dtq8", "fused")},
     "rmsprop-centered": {("none", "eager"), ("4bit", "eager")} | _EVERY_CPU,
-    "rmsprop-centered_no_momentum": _EVERY_CPU,
+    "rmsprop-centered_no_momentum": _EVERY_CPU | {("none", "fused"), ("dtq8", "fused")},
     "ademamix": {("none", "eager"), ("4bit", "eager")} | _EVERY_CPU,
     "ademamix-schedulers": {("fp8", "eager"), ("dtq8", "cpu")},
     "adam-amsgrad": {(fmt, "eager") for fmt in ["none"] + list_state_formats()} | _EVERY_CPU,

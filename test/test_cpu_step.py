@@ -162,8 +162,8 @@ def test_adagrad_and_rmsprop_equal_compiled_path(name, fmt):
     _assert_same_step(oa, ob, a, b)
 
 
-# Rules of three states (AdEMAMix, centered RMSprop with momentum, amsgrad), and centered RMSprop's two (in C only;
-# test_triton_three_states.py holds the Triton kernel's three-state form to this step)
+# Rules of three states (AdEMAMix, centered RMSprop with momentum, amsgrad), and centered RMSprop's two
+# (test_triton_three_states.py holds the Triton kernel's three-state form to this step)
 THREE_STATES = {
     "ademamix": lambda ps, **kw: AdEMAMix8bit(ps, lr=1e-2, weight_decay=0.1, **kw),
     "ademamix-schedulers-maximize": lambda ps, **kw: AdEMAMix8bit(

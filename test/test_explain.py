@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from c_only_rule import DecayingMomentumCOnly8bit
 
 import torchao_optim
 from torchao_optim.kernels.cpu import cpu_kernels_available
@@ -110,9 +111,9 @@ def test_muon_says_why_its_matrices_are_not_fused():
     assert "fused C step" in report and "(missing)" not in report
 
 
-# The rules of three states, which both fused kernel families take (the Triton kernel in its three-state form), and
-# centered RMSprop without momentum (two states, its update in C only: the C step alone): (make, rule, whether the
-# Triton kernels take it)
+# The rules of three states, which both fused kernel families take (the Triton kernel in its three-state form),
+# centered RMSprop without momentum (two states), and the made-up rule with its update in C only (the C step alone):
+# (make, rule, whether the Triton kernels take it)
 BEYOND_TWO_STATES = [
     (lambda ps, **kw: torchao_optim.AdEMAMix8bit(ps, **kw), "ademamix", True),
     (
@@ -121,7 +122,8 @@ BEYOND_TWO_STATES = [
         True,
     ),
     (lambda ps, **kw: torchao_optim.AdamW8bit(ps, amsgrad=True, **kw), "adam_amsgrad", True),
-    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, centered=True, **kw), "rmsprop_centered", False),
+    (lambda ps, **kw: torchao_optim.RMSprop8bit(ps, centered=True, **kw), "rmsprop_centered", True),
+    (lambda ps, **kw: DecayingMomentumCOnly8bit(ps, min_quant_size=0, **kw), "decaying_momentum_c_only", False),
 ]
 
 

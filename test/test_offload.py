@@ -7,9 +7,10 @@ two slots."""
 
 import pytest
 import torch
+from c_only_rule import DecayingMomentumCOnly8bit
 
 import torchao_optim.optim.offload as offload
-from torchao_optim import AdamW, AdamW8bit, AdEMAMix8bit, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit, step_in_backward
+from torchao_optim import AdamW, AdamW8bit, AdEMAMix8bit, Lion8bit, Muon8bit, SGD8bit, step_in_backward
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
 from torchao_optim.testing import fresh_function
@@ -157,8 +158,8 @@ def test_refusals():
     p = torch.randn(64, 96, device=DEVICE, requires_grad=True)
     with pytest.raises(ValueError, match="fused=False"):
         AdamW8bit([p], fused=False, offload_state=True)
-    with pytest.raises(ValueError, match=r"rule 'rmsprop_centered' has no Triton element update"):
-        RMSprop8bit([p], centered=True, fused=True, offload_state=True)
+    with pytest.raises(ValueError, match=r"rule 'decaying_momentum_c_only' has no Triton element update"):
+        DecayingMomentumCOnly8bit([p], fused=True, offload_state=True)
     with pytest.raises(ValueError, match="Muon"):
         Muon8bit([p], offload_state=True)
     with pytest.raises(ValueError, match="offload_state: 1"):

@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+from c_only_rule import DECAYING_MOMENTUM_C_ONLY
 
 from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit
 from torchao_optim.kernels.cpu import cpu_kernels, cpu_kernels_available, cpu_rule, cpu_rules
@@ -106,8 +107,8 @@ def test_the_triton_kernels_take_one_to_three_states():
         triton_refusal(four)
         == "rule 'four' carries 4 states ('a', 'b', 'c', 'd'); the Triton kernels take one to three"
     )
-    assert triton_refusal(RMSPROP_CENTERED) == (
-        "rule 'rmsprop_centered' has no Triton element update (FusedRule.triton_update)"
+    assert triton_refusal(DECAYING_MOMENTUM_C_ONLY) == (
+        "rule 'decaying_momentum_c_only' has no Triton element update (FusedRule.triton_update)"
     )
 
 

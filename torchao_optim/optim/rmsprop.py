@@ -52,9 +52,8 @@ class RMSprop8bit(LowBitOptimizer):
     one whose states would overflow, is skipped: its parameter and states keep their values.
 
     The fused kernels (Triton's on CUDA, the fused C step on the CPU) run a group with one state (momentum 0) or
-    two (momentum > 0). ``centered=True`` adds ``grad_avg``: with momentum, three states, which both run; without,
-    two states in a rule written in C only: the fused C step runs it, and on CUDA such a group runs on the
-    per-parameter compiled path, as ``explain()`` says, and cannot be offloaded. Centered, ``v - a * a`` below 0 (a
+    two (momentum > 0). ``centered=True`` adds ``grad_avg``: with momentum, three states; without, two; both run
+    them. Centered, ``v - a * a`` below 0 (a
     rounding or quantization error: it is never negative in exact arithmetic) is taken as 0.
 
     Args:

@@ -1,9 +1,8 @@
 """RMSprop (Hinton's lecture 6e; ``torch.optim.RMSprop``): the rule's coefficients, its update in plain tensor code,
 and its fused rules, chosen by the group's momentum and centering: :data:`RMSPROP` (``square_avg`` alone, the
 one-state kernels), :data:`RMSPROP_MOMENTUM` (``square_avg`` and ``momentum_buffer``, the two-state kernels) and,
-centered (``grad_avg`` added), :data:`RMSPROP_CENTERED_MOMENTUM` (three states), each with its update in Triton's
-language and in C; centered without momentum, :data:`RMSPROP_CENTERED` (two states), with its update in C only: the
-fused C step runs it, and on CUDA it takes the per-parameter compiled path.
+centered (``grad_avg`` added), :data:`RMSPROP_CENTERED` (two states) and :data:`RMSPROP_CENTERED_MOMENTUM` (three),
+each with its update in Triton's language and in C.
 
 In the same form as Adam's (:mod:`torchao_optim.rules.adam`): the states may be plain or any format
 (``square_avg`` never negative: the unsigned codebook), non-finite gradient elements are skipped (parameter and
@@ -32,8 +31,9 @@ __all__ = [
     "rmsprop_update",
 ]
 
-# The compiled path's row; the one-state kernel reads the first four columns, the two-state kernel seven (the
-# last two 0); centered, the C step reads the first four (no momentum) or all five, as the three-state kernel does.
+# The compiled path's row; the one-state kernel reads the first four columns, the two-state kernels seven (the
+# last two 0; centered without momentum, the C update reads the first four); centered with momentum, all five, as
+# the three-state kernel does.
 RMSPROP_COEFS = ("lr", "weight_decay", "one_minus_alpha", "eps", "momentum")
 RMSPROP_MOMENTUM_COEFS = RMSPROP_COEFS + ("zero", "zero")
 
@@ -134,6 +134,25 @@ def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: t
     b = tl.where(ok, b_new, b)
     p = tl.where(ok, p - lr * b_new, p)
     return p, v, b
+
+
+def rmsprop_centered_tile_update(p, g, v, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` centered, without momentum, on a tile (``v``: ``square_avg``,
+    ``a``: ``grad_avg``; the two-state kernel's seven coefficients, the last three unused; no option): returns
+    ``(p, v, a)``, from the same fp32 operations in the same order as the plain update and the C update."""
+    lr, wd, one_minus_alpha, eps, _, _, _ = coefs
+    finite = tl.abs(g) < float("inf")
+    g = tl.where(finite, g, 0.0)
+    g = g + wd * p
+    v_new = v + one_minus_alpha * (g * g - v)
+    a_new = a + one_minus_alpha * (g - a)
+    var = v_new - a_new * a_new
+    denom = tl.sqrt_rn(tl.where(var < 0.0, 0.0, var)) + eps  # clamp_min(0): NaN stays NaN
+    ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf"))
+    p = tl.where(ok, p - lr * g / denom, p)
+    v = tl.where(ok, v_new, v)
+    a = tl.where(ok, a_new, a)
+    return p, v, a
 
 
 def rmsprop_centered_momentum_tile_update(p, g, v, b, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
@@ -246,8 +265,9 @@ RMSPROP_CENTERED = FusedRule(
     "rmsprop_centered",
     ("square_avg", "grad_avg"),
     (False, True),
-    RMSPROP_COEFS[:4],
-    _no_momentum_coefficients,
+    RMSPROP_MOMENTUM_COEFS,
+    _two_state_coefficients,
+    triton_update=triton_jit(rmsprop_centered_tile_update),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered",
 )

@@ -355,12 +355,8 @@ optim_db: list[OptimizerInfo] = [
             Sample("momentum", dict(momentum=0.9)),  # and momentum_buffer: the two-state kernels
             # and grad_avg: three states (the Triton kernel's three-state form)
             Sample("centered", dict(centered=True, momentum=0.5)),
-            # square_avg and grad_avg: two states, a rule written in C only
-            Sample(
-                "centered_no_momentum",
-                dict(centered=True, weight_decay=1e-3, maximize=True),
-                executors=("compiled", "eager", "cpu"),
-            ),
+            # square_avg and grad_avg: two states, the two-state kernels with a signed second state
+            Sample("centered_no_momentum", dict(centered=True, weight_decay=1e-3, maximize=True)),
         ),
         state_keys=_rmsprop_keys,
         parity="adamw",
