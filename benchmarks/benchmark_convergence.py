@@ -19,11 +19,11 @@ Optimizers (``--optims``, comma separated):
   ``quantize_optimizer_state``); see ``benchmarks/optimizers.py``.
 
 The default is ``AdamW``, ``AdamW8bit`` and ``AdamW-<format>`` for every registered format that is not already
-covered by ``AdamW8bit`` and that the fused executors take (it has a ``fast_path_layout()``), over seeds 0 and 1,
-with the ``small`` model: under 3 minutes on a quiet 2-core CPU, printed before training starts (estimated from timed
-steps). A format without a fused layout (``4bit_rank1``) takes the per-parameter compiled path: on a 2-core CPU its
-first step compiles for about a minute and its steps are about 4x slower, so it runs only when asked for, by
-``--all_formats`` or ``--optims``.
+covered by ``AdamW8bit`` and that both fused executors take (blockwise scales), over seeds 0 and 1, with the
+``small`` model: under 3 minutes on a quiet 2-core CPU, printed before training starts (estimated from timed steps).
+The others run only when asked for, by ``--all_formats`` or ``--optims``: ``4bit_rank1`` (fused on the CPU, the
+compiled path on CUDA) and the factored formats, which take the per-parameter compiled path: on a 2-core CPU a first
+step compiles for about a minute and the steps are about 4x slower.
 
 Written under ``--out`` (default ``results/convergence``):
 
@@ -170,29 +170,32 @@ def training_flops(cfg: GPTConfig, tokens: int) -> float:
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
-def has_fused_layout(state_format: str) -> bool:
-    """Whether the fused executors (the C step on the CPU, the Triton kernels on CUDA) take a matrix's states in
-    ``state_format``: both its states describe themselves by a layout. A format without one takes the
-    per-parameter compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
+def has_fused_layout(state_format: str, device: str = "cpu") -> bool:
+    """Whether the fused executor of ``device`` (the C step on the CPU, the Triton kernels on CUDA) takes a matrix's
+    states in ``state_format``: both its states describe themselves by a layout that executor reads (the C step reads
+    rank-1 scales too, the Triton kernels blockwise ones only). A format without one takes the per-parameter
+    compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
     fmt = torchao_optim.get_state_format(state_format)
-    return all(fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() is not None for s in (True, False))
+    layouts = [fmt.zeros((256, 256), signed=s, device="meta").fused_layout() for s in (True, False)]
+    return all(x is not None and (device == "cpu" or x.scale == "block") for x in layouts)
 
 
 def default_optims(all_formats: bool = False) -> list[str]:
-    """AdamW, AdamW8bit, and every registered format that no alias above already covers and that has a fused
-    layout; with ``all_formats``, the formats without one too."""
+    """AdamW, AdamW8bit, and every registered format that no alias above already covers and that both fused
+    executors take; with ``all_formats``, the others too (``"4bit_rank1"``, fused on the CPU only, and the formats
+    no fused executor takes)."""
     covered = set(ALIASES.values())
     formats = [f for f in torchao_optim.list_state_formats() if f not in covered]
-    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in formats if all_formats or has_fused_layout(f)]
+    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in formats if all_formats or has_fused_layout(f, "cuda")]
 
 
-def takes_compiled_path(name: str) -> bool:
-    """Whether optimizer ``name`` is an Adam of ours whose matrices take the per-parameter compiled path: a format
-    without a fused layout, or ``fused=False``."""
+def takes_compiled_path(name: str, device: str = "cpu") -> bool:
+    """Whether optimizer ``name`` is an Adam of ours whose matrices take the per-parameter compiled path on
+    ``device``: a format without a layout its fused executor reads, or ``fused=False``."""
     entry = optimizers.optimizer_table()[optimizers.resolve(name)]
     if not entry.name.startswith("Adam") or entry.state_format in (None, "none"):
         return False
-    return entry.name.startswith("AdamWCompiled-") or not has_fused_layout(entry.state_format)
+    return entry.name.startswith("AdamWCompiled-") or not has_fused_layout(entry.state_format, device)
 
 
 def compiled_graph_count() -> int:
@@ -1158,7 +1161,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{len(args.seeds)} seeds x {args.steps} steps, about {_minutes(per_run_s)} a run; an fp32 AdamW step takes "
         f"{step_s * 1e3:.0f} ms here{rate})"
     )
-    unfused = [o for o in args.optims if takes_compiled_path(o)]
+    unfused = [o for o in args.optims if takes_compiled_path(o, device.type)]
     if unfused:
         print(
             f"  not counted: {', '.join(unfused)} take the per-parameter compiled path: a first step that compiles "

@@ -2,7 +2,8 @@
 # The recorded GPU run, in one command: the CUDA tests, Nsight Compute on the fused kernel, and the step benchmark
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
-# PARTS picks what runs (default "tests ncu step"; the memory benchmark's parts, each within ten minutes, are
+# PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA; the
+# memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
 # fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
@@ -41,6 +42,17 @@ if has step; then
     python benchmarks/benchmark_step.py --steps "${STEPS:-30}" --formats-from test/made_up_formats.py --out "$OUT" \
         ${OPTIMS:+--optims "$OPTIMS"} ${GEOMETRIES:+--geometries "$GEOMETRIES"} ${DTYPES:+--dtypes "$DTYPES"} \
         2>&1 | tee "$OUT/step.txt"
+fi
+# The rules of three states (AdEMAMix, amsgrad, centered RMSprop with momentum) and centered RMSprop without momentum
+# on the Triton kernels: their tests against the C step and the compiled path, then their step beside torch's and
+# bitsandbytes' (TinyLlama geometry, fp32 and bf16 parameters), under $OUT/rules.
+if has rules; then
+    mkdir -p "$OUT/rules"
+    python -m pytest test/test_triton_three_states.py test/test_conformance.py -q \
+        -k "ademamix or amsgrad or centered" 2>&1 | tail -3 | tee "$OUT/rules/tests.txt"
+    python benchmarks/benchmark_step.py --geometries llama_1b --dtypes fp32,bf16 --out "$OUT/rules" \
+        --optims AdamWTorchFused,AdamW8bit,AdEMAMix,AdEMAMix8bit,AdEMAMixBnb8bit,AdamWAmsgradTorchFused,AdamW8bitAmsgrad,RMSpropCentered,RMSpropCentered8bit,RMSpropCenteredNoMomentum,RMSpropCenteredNoMomentum8bit,Adagrad8bit,AdagradBnb8bit,RMSprop8bit,RMSpropBnb8bit \
+        2>&1 | tee "$OUT/rules/step.txt"
 fi
 # The memory benchmark: every configuration on TinyLlama-1.1B (the offload acceptance), then the largest Llama
 # that fits on the machine, in three runs (state on the GPU; torchao's CPU offload; ours with offload_state).

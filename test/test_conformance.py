@@ -95,9 +95,10 @@ FUSED_IN_CI = ("adamw", "sgd")
 # three states (and centered RMSprop's two) in every format, each of their cases about 0.02 s, the third state's
 # slot being new (AdEMAMix with its schedulers and maximize, in dtq8); in Triton's interpreter, the one-state kernel
 # with an unsigned state (Adagrad's sum) and the two-state kernel with an unsigned first state (RMSprop's
-# square_avg; centered RMSprop's update, in fp32 state and dtq8); centered RMSprop's and AdEMAMix's per-parameter path eagerly in fp32 state and 4bit, with AdEMAMix's
-# schedulers in fp8; compiled in dtq8 with --runslow (about 45 s a configuration on a CPU). The formats' codes are
-# read and written alike by every rule of a kernel (the other rows cover each format); the rest runs with --runslow.
+# square_avg; centered RMSprop's update, in fp32 state and dtq8); centered RMSprop's and AdEMAMix's per-parameter
+# path eagerly in fp32 state and 4bit, with AdEMAMix's schedulers in fp8; compiled in dtq8 with --runslow (about 45 s
+# a configuration on a CPU). The formats' codes are read and written alike by every rule of a kernel (the other rows
+# cover each format); the rest runs with --runslow.
 # Adam with amsgrad runs eagerly in every format (compiled_on_cpu) and on the C step. The rules of three states in
 # Triton's interpreter (the three-state form of the two-state kernel, 8-15 s a case here) run with --runslow:
 # test_triton_three_states.py holds that kernel to the C step, bit for bit, in CI.

@@ -23,6 +23,7 @@ import torch
 import torchao_optim
 from torchao_optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, RMSprop8bit, SGD8bit, list_state_formats
 from torchao_optim.kernels import cpu
+from torchao_optim.optim import launch
 from torchao_optim.state import QuantizedState, get_state_format
 
 pytestmark = pytest.mark.skipif(
@@ -37,10 +38,11 @@ STEPS = 4  # steps of _train
 
 
 def _fused_formats():
+    """fp32 state and every format the C step reads ("4bit_rank1"'s rank-1 scales among them)."""
     out = ["none"]
     for fmt in list_state_formats():
         cls = get_state_format(fmt)
-        if all(cls.zeros((4, 128), signed=s).fast_path_layout() is not None for s in (True, False)):
+        if all(cls.zeros((4, 128), signed=s).fused_layout() is not None for s in (True, False)):
             out.append(fmt)
     return out
 
@@ -104,6 +106,37 @@ def test_adamw_equals_compiled_path(fmt, dtype):
         pytest.skip("this C compiler has no _Float16: fp16 parameters take the compiled path")
     a, b, oa, ob = _pair(AdamW, dtype, lr=1e-2, weight_decay=0.1, state_format=fmt, min_quant_size=256)
     _train(a, b, oa, ob, dtype=dtype)
+    _assert_same_step(oa, ob, a, b)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rank1_scales_at_their_edges_equal_compiled_path(threads, monkeypatch):
+    """"4bit_rank1"'s rank-1 scales on the C step, whose first pass finds the new row and column maxima: the compiled
+    path's codes and maxima bit for bit where a block holds pieces of several rows (fewer columns than a block, or
+    a row ending inside a block), where a row is all zero, where a row's scale is subnormal (the 2**64 lift), and
+    on one thread or two (each thread's maxima merged)."""
+    shapes = ((37, 5), (3, 1000), (64, 128), (2, 3, 40))
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(s, generator=gen) for s in shapes]
+    a, b = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
+    kw = dict(lr=1e-2, weight_decay=0.1, state_format="4bit_rank1", min_quant_size=0)
+    oa, ob = AdamW(a, **kw), AdamW(b, fused=False, compile=False, **kw)
+    monkeypatch.setattr(launch, "MIN_BLOCKS_PER_THREAD", 1)  # two threads for this small plan too
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        for step in range(STEPS):
+            for pa, pb in zip(a, b):
+                g = torch.randn(pa.shape, generator=gen)
+                rows = g.view(g.shape[0], -1)
+                rows[0] = 0.0  # an all-zero row: its maximum and scales 0
+                rows[1] *= 3e-20  # exp_avg_sq of order 1e-42: a subnormal scale
+                pa.grad, pb.grad = g.clone(), g.clone()
+            oa.step()
+            ob.step()
+    finally:
+        torch.set_num_threads(before)
+    assert all(oa.state[p]["exp_avg_sq"].rows for p in a)
     _assert_same_step(oa, ob, a, b)
 
 

@@ -41,6 +41,7 @@ import tempfile
 import textwrap
 import time
 import unittest
+import unittest.mock
 
 import expecttest
 import pytest
@@ -65,6 +66,7 @@ from torchao_optim import (
 )
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.optim.sharded import local, row_aligned_block_size
+from torchao_optim.state.fourbit import FourBitRank1Tensor
 from torchao_optim.testing import SpreadProblem, assert_same_tensor
 from torchao_optim.testing.compare import same_tensor_problems
 
@@ -168,7 +170,23 @@ def reference_optimizer(model, fused=False, cls=AdamW8bit, groups=None, tp_world
                 block_size = column_block_size(p.shape, fmt, tp_world)
             layout = {"state_format": fmt, "block_size": block_size} if block_size else {"state_format": "none"}
             per_param.append(dict(group, params=[p], **layout))
-    return cls(per_param, lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
+    opt = cls(per_param, lr=LR, weight_decay=WD, min_quant_size=MIN_QUANT, compile=False, fused=fused, **kw)
+    if fmt == "4bit_rank1" and fused is not False:
+        opt.step = _rank1_per_parameter(opt.step)
+    return opt
+
+
+def _rank1_per_parameter(step):
+    """``step`` with rank-1 states on the per-parameter path, as a sharded matrix's take (their column maxima span
+    ranks): one process's fused C step would take them, and it rounds Adam's square root correctly where eager torch
+    may not (by an ulp), so the parameters would differ."""
+
+    @functools.wraps(step)
+    def per_parameter(*args, **kwargs):
+        with unittest.mock.patch.object(FourBitRank1Tensor, "fused_scale", None):
+            return step(*args, **kwargs)
+
+    return per_parameter
 
 
 def shard_rows(p) -> slice:
@@ -682,9 +700,12 @@ def edge_shards(model=None, fmt="4bit_rank1") -> dict:
     of a new optimizer that loaded its state dict dequantized (fp32 states, quantized anew: "reloaded")."""
     from torch.distributed.fsdp import fully_shard
 
+    one_process = model is not None
     model = fully_shard(EdgeShards()) if model is None else model
     options = dict(lr=LR, weight_decay=WD, state_format=fmt, min_quant_size=MIN_QUANT, compile=False)
     opt = AdamW(model.parameters(), **options)
+    if one_process and fmt == "4bit_rank1":  # the path sharded matrices take
+        opt.step = _rank1_per_parameter(opt.step)
     for step in range(STEPS):
         set_grads(model, step)
         opt.step()

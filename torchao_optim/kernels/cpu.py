@@ -239,7 +239,7 @@ def _load(rules) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(_build(compiler, step_source(rules))))
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32, i32] * MAX_STATES + [i32] * 10 + [i64]
+    fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32, i32, ptr] * MAX_STATES + [i32] * 10 + [i64]
     fn.restype = i32
     lib.torchao_optim_cpu_encode.argtypes = [ptr, ptr, i64, ptr, ptr, i32, i32, i32]
     lib.torchao_optim_cpu_encode.restype = None

@@ -428,6 +428,12 @@ typedef struct {
     Encoder encoders[MAX_STATES]; /* per state: codec.flat_keyed's table, or codec.BucketTables' level1_by_bits and
                                      level2_with_bounds */
     Decoder8 decoders[MAX_STATES]; /* per 8-bit state: its codebook as byte planes */
+    /* rank-1 scales (StateLayout.scale "rank1"): per state, each tensor's rows of its (rows, numel / rows) matrix, or
+       NULL (blockwise: one absmax per block); where a tensor has rows, its scales are rows row maxima then numel / rows
+       column maxima, and the step's new maxima start at stat_offset[k * n_tensors + t] in the array `maxima` */
+    const int64_t *rows[MAX_STATES];
+    int64_t *stat_offset;
+    uint32_t *maxima; /* the new maxima, fp32 patterns (non-negative: they order as integers) */
 } Job;
 
 /* ---- the update rules ---------------------------------------------------------------------------------
@@ -449,24 +455,111 @@ const char *torchao_optim_cpu_rule_name(int rule) { return rule >= 0 && rule < N
 int torchao_optim_cpu_rule_states(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].n_states : -1; }
 int torchao_optim_cpu_rule_coefs(int rule) { return rule >= 0 && rule < N_RULES ? RULES[rule].n_coefs : -1; }
 
+/* ---- rank-1 scales ------------------------------------------------------------------------------------
+   A state whose tensor has rows (Job.rows) is read as a row-major (rows, cols) matrix; element (r, c) has the scale
+   min(row maximum r, column maximum c) (state/fourbit.py, FourBitRank1Tensor). Its new maxima are those of the whole
+   matrix's new values, so a plan with such a state takes two passes: the first runs the update on copies and keeps
+   only each thread's maxima (fold_maxima), the second is the step, which encodes with the merged maxima; the
+   maxima are stored last, once no block will decode with the old ones. */
+static inline int64_t rank1_rows(const Job *job, int k, int64_t t) { return job->rows[k] ? job->rows[k][t] : 0; }
+
+static int has_rank1(const Job *job, int64_t t) {
+    for (int k = 0; k < job->n_states; k++)
+        if (rank1_rows(job, k, t)) return 1;
+    return 0;
+}
+
+/* the element scales' maxima of x[0..n) (elements start.. of a matrix of cols columns) into out: rows row maxima, then
+   the column maxima, as fp32 patterns; where(isfinite(x), |x|, 0), as quantize_fields takes them */
+NOINLINE static void fold_maxima(const float *restrict x, int64_t start, int n, int64_t rows, int64_t cols,
+                                 uint32_t *restrict out) {
+    uint32_t *row_max = out, *col_max = out + rows;
+    int64_t r = start / cols, c = start - r * cols;
+    uint32_t top = row_max[r];
+    for (int i = 0; i < n; i++) {
+        uint32_t m = bits_of(x[i]) & 0x7FFFFFFFu;
+        m = m < 0x7F800000u ? m : 0u;
+        top = m > top ? m : top;
+        col_max[c] = m > col_max[c] ? m : col_max[c];
+        if (++c == cols) {
+            row_max[r] = top;
+            c = 0;
+            top = ++r < rows ? row_max[r] : 0u;
+        }
+    }
+    if (c) row_max[r] = top;
+}
+
+/* the decode of a state with rank-1 scales: each code's value (a block of scale 1) times its element's scale, from
+   the maxima the state holds */
+static void decode_rank1(float *restrict dst, int64_t codes, int64_t scales, int64_t start, int n, int64_t rows,
+                         int64_t cols, int kind, const float *restrict table, const Decoder8 *D) {
+    if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, 1.0f, table, D);
+    else decode4(dst, (const uint8_t *)codes + start / 2, n, 1.0f, table);
+    const float *row_max = (const float *)scales, *col_max = row_max + rows;
+    int64_t r = start / cols, c = start - r * cols;
+    for (int i = 0; i < n; i++) {
+        float a = row_max[r], b = col_max[c];
+        dst[i] = dst[i] * (a < b ? a : b);
+        if (++c == cols) c = 0, r++;
+    }
+}
+
+/* the encode of a state with rank-1 scales, from the new maxima, as quantize_fields computes it: y = x * lift *
+   (1 / (scale * lift)) (lift 2**64 for a subnormal scale; 1 / 1 for a zero one), clamped to [-1, 1] */
+static void encode_rank1(const float *restrict x, int64_t codes, int64_t start, int n, int64_t rows, int64_t cols,
+                         const uint32_t *restrict maxima, int kind, const Encoder *E) {
+    float y[MAX_BLOCK];
+    const uint32_t *row_max = maxima, *col_max = maxima + rows;
+    int64_t r = start / cols, c = start - r * cols;
+    for (int i = 0; i < n; i++) {
+        float a = float_of(row_max[r]), b = float_of(col_max[c]);
+        float scale = a < b ? a : b;
+        float lift = scale < 0x1p-126f ? 0x1p64f : 1.0f;
+        float v = x[i] * lift * (1.0f / (scale > 0.0f ? scale * lift : 1.0f));
+        v = v != v ? 0.0f : v;
+        y[i] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+        if (++c == cols) c = 0, r++;
+    }
+    if (kind == CODES8) encode8(y, (uint8_t *)codes + start, n, 1.0f, E);
+    else encode4(y, (uint8_t *)codes + start / 2, n, 1.0f, E);
+}
+
 /* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
-static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1,
-                      float *S2) {
+/* The block's step; with `stats` (the first pass of a plan with rank-1 scales), the update on copies of the parameter
+   and states, whose rank-1 states' new maxima are folded into this thread's `stats`, storing nothing. */
+static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1, float *S2,
+                      uint32_t *stats) {
     const int64_t *row = job->ptrs + t * (1 + 2 * job->n_states);
     int64_t start = blk * job->block, left = job->numels[t] - start;
     int n = left < job->block ? (int)left : job->block;
     float *S[MAX_STATES] = {S0, S1, S2};
     /* fp32 parameters and gradients are updated where they are; other dtypes through the buffers */
-    int direct_p = job->param_dtype == F32, direct_g = job->grad_dtype == F32 && !job->maximize;
+    int direct_p = job->param_dtype == F32 && !stats, direct_g = job->grad_dtype == F32 && !job->maximize;
     float *p = direct_p ? (float *)row[0] + start : P;
     const float *g = direct_g ? (const float *)job->grad_ptrs[t] + start : G;
     if (!direct_p) load_floats(P, (const void *)row[0], start, n, job->param_dtype, 0);
     if (!direct_g) load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
-    for (int k = 0; k < job->n_states; k++)
-        decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k],
-               &job->decoders[k]);
+    for (int k = 0; k < job->n_states; k++) {
+        int64_t rows = rank1_rows(job, k, t);
+        if (rows)
+            decode_rank1(S[k], row[1 + 2 * k], row[2 + 2 * k], start, n, rows, job->numels[t] / rows, job->kinds[k],
+                         job->values[k], &job->decoders[k]);
+        else
+            decode(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], job->values[k],
+                   &job->decoders[k]);
+    }
     const float *c = job->coefs + t * job->n_coefs;
     RULES[job->rule].update(job, p, g, S0, S1, S2, n, c);
+    if (stats) {
+        for (int k = 0; k < job->n_states; k++) {
+            int64_t rows = rank1_rows(job, k, t);
+            if (rows)
+                fold_maxima(S[k], start, n, rows, job->numels[t] / rows,
+                            stats + job->stat_offset[k * job->n_tensors + t]);
+        }
+        return;
+    }
     if (!direct_p) {
         uint32_t key = 0;
         int64_t offset = 0;
@@ -476,13 +569,20 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
         }
         store_param(P, (void *)row[0], start, n, job->param_dtype, job->sr, key, offset);
     }
-    for (int k = 0; k < job->n_states; k++)
-        encode_store(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], &job->encoders[k]);
+    for (int k = 0; k < job->n_states; k++) {
+        int64_t rows = rank1_rows(job, k, t);
+        if (rows)
+            encode_rank1(S[k], row[1 + 2 * k], start, n, rows, job->numels[t] / rows,
+                         job->maxima + job->stat_offset[k * job->n_tensors + t], job->kinds[k], &job->encoders[k]);
+        else
+            encode_store(S[k], row[1 + 2 * k], row[2 + 2 * k], start, blk, n, job->kinds[k], &job->encoders[k]);
+    }
 }
 
 typedef struct {
     const Job *job;
-    int64_t lo, hi; /* global block indexes */
+    int64_t lo, hi;  /* global block indexes */
+    uint32_t *stats; /* the first pass of a plan with rank-1 scales: this range's maxima; else NULL */
 } Range;
 
 static void *run_range(void *arg) {
@@ -493,7 +593,8 @@ static void *run_range(void *arg) {
     while (job->first_block[t + 1] <= r->lo) t++; /* the tensor holding block lo */
     for (int64_t b = r->lo; b < r->hi; b++) {
         while (job->first_block[t + 1] <= b) t++;
-        run_block(job, t, b - job->first_block[t], P, G, S0, S1, S2);
+        if (r->stats && !has_rank1(job, t)) continue; /* the first pass: only tensors with rank-1 scales */
+        run_block(job, t, b - job->first_block[t], P, G, S0, S1, S2, r->stats);
     }
     return NULL;
 }
@@ -523,15 +624,34 @@ static void team_member(void *arg) { /* each member takes every team-size-th ran
     for (int k = omp_thread_num(); k < team->n; k += omp_num_threads()) run_range(&team->ranges[k]);
 }
 
+/* The ranges on `threads` threads (the caller's among them): torch's OpenMP team where there is one, else pthreads. */
+static void run_ranges(Range *ranges, int threads, int64_t total) {
+    if (threads > 1 && gomp_parallel) {
+        Team team = {ranges, threads};
+        gomp_parallel(team_member, &team, (unsigned)threads, 0);
+        return;
+    }
+    pthread_t ids[256];
+    int started = 0;
+    for (int k = 1; k < threads; k++) {
+        if (pthread_create(&ids[k], NULL, run_range, &ranges[k]) != 0) break;
+        started = k;
+    }
+    for (int k = started + 1; k < threads; k++) run_range(&ranges[k]); /* threads that did not start */
+    if (total > 0) run_range(&ranges[0]);
+    for (int k = 1; k <= started; k++) pthread_join(ids[k], NULL);
+}
+
 /* One step of every tensor in the table with rule RULES[rule], on up to n_threads threads (the caller's among
-   them). Returns 0; -1 for a block size this file does not take, -3 for a rule index, state count or coefficient
-   count that is not the table's. */
+   them). Per state: its decode table, encoder tables and kind, the encoder's form (flat: codec.flat_keyed's shift, or
+   0), and for rank-1 scales each tensor's rows (NULL: blockwise). Returns 0; -1 for a block size this file does not
+   take, -2 where memory runs out, -3 for a rule index, state count or coefficient count that is not the table's. */
 int torchao_optim_cpu_step(
     int64_t n_tensors, const int64_t *ptrs, const int64_t *grad_ptrs, const int64_t *numels, const float *coefs,
     const float *steps, const int64_t *round_info,
-    const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0, int flat0,
-    const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1, int flat1,
-    const float *values2, const int32_t *level1_2, const int32_t *level2_2, int kind2, int flat2,
+    const float *values0, const int32_t *level1_0, const int32_t *level2_0, int kind0, int flat0, const int64_t *rows0,
+    const float *values1, const int32_t *level1_1, const int32_t *level2_1, int kind1, int flat1, const int64_t *rows1,
+    const float *values2, const int32_t *level1_2, const int32_t *level2_2, int kind2, int flat2, const int64_t *rows2,
     int n_states, int n_coefs, int block, int rule, int param_dtype, int grad_dtype,
     int option, int maximize, int sr, int n_threads, int64_t min_blocks_per_thread) {
     if (block <= 0 || block > MAX_BLOCK || (block & 1)) return -1;
@@ -551,31 +671,62 @@ int torchao_optim_cpu_step(
     make_encoder(&job.encoders[2], level1_2, level2_2, flat2, values2 && values2[0] < 0.0f);
     for (int k = 0; k < n_states; k++)
         if (job.kinds[k] == CODES8) make_decoder(&job.decoders[k], job.values[k]);
+    const int64_t *rows[MAX_STATES] = {rows0, rows1, rows2};
+    int64_t n_stats = 0; /* the maxima of every tensor with rank-1 scales, rows then columns each */
+    for (int k = 0; k < n_states; k++) job.rows[k] = rows[k];
+    if (rows0 || rows1 || rows2) {
+        job.stat_offset = (int64_t *)malloc((size_t)(n_states * n_tensors) * sizeof(int64_t));
+        if (!job.stat_offset) {
+            free(first_block);
+            return -2;
+        }
+        for (int k = 0; k < n_states; k++)
+            for (int64_t t = 0; t < n_tensors; t++) {
+                int64_t r = rank1_rows(&job, k, t);
+                job.stat_offset[k * n_tensors + t] = r ? n_stats : -1;
+                n_stats += r ? r + numels[t] / r : 0;
+            }
+    }
     int64_t useful = min_blocks_per_thread > 0 ? total / min_blocks_per_thread : total;
     int threads = n_threads < 1 ? 1 : n_threads;
     if (threads > useful) threads = useful < 1 ? 1 : (int)useful;
-    Range ranges[256];
-    pthread_t ids[256];
     if (threads > 256) threads = 256;
+    Range ranges[256];
     for (int k = 0; k < threads; k++) {
         ranges[k].job = &job;
         ranges[k].lo = total * k / threads;
         ranges[k].hi = total * (k + 1) / threads;
+        ranges[k].stats = NULL;
     }
-    if (threads > 1 && gomp_parallel) {
-        Team team = {ranges, threads};
-        gomp_parallel(team_member, &team, (unsigned)threads, 0);
-        free(first_block);
-        return 0;
+    uint32_t *stats = NULL;
+    if (n_stats) { /* the first pass: each range's maxima, then their maxima */
+        stats = (uint32_t *)calloc((size_t)((threads + 1) * n_stats), sizeof(uint32_t));
+        if (!stats) {
+            free(job.stat_offset);
+            free(first_block);
+            return -2;
+        }
+        for (int k = 0; k < threads; k++) ranges[k].stats = stats + (k + 1) * n_stats;
+        run_ranges(ranges, threads, total);
+        for (int k = 0; k < threads; k++) {
+            const uint32_t *part = ranges[k].stats;
+            for (int64_t i = 0; i < n_stats; i++) stats[i] = part[i] > stats[i] ? part[i] : stats[i];
+            ranges[k].stats = NULL;
+        }
+        job.maxima = stats;
     }
-    int started = 0;
-    for (int k = 1; k < threads; k++) {
-        if (pthread_create(&ids[k], NULL, run_range, &ranges[k]) != 0) break;
-        started = k;
+    run_ranges(ranges, threads, total);
+    if (n_stats) { /* every block has decoded with the old maxima: the new ones are the states' scales now */
+        for (int k = 0; k < n_states; k++)
+            for (int64_t t = 0; t < n_tensors; t++) {
+                int64_t r = rank1_rows(&job, k, t);
+                if (r)
+                    memcpy((void *)ptrs[t * (1 + 2 * n_states) + 2 + 2 * k], stats + job.stat_offset[k * n_tensors + t],
+                           (size_t)(r + numels[t] / r) * 4);
+            }
     }
-    for (int k = started + 1; k < threads; k++) run_range(&ranges[k]); /* threads that did not start */
-    if (total > 0) run_range(&ranges[0]);
-    for (int k = 1; k <= started; k++) pthread_join(ids[k], NULL);
+    free(stats);
+    free(job.stat_offset);
     free(first_block);
     return 0;
 }

@@ -103,7 +103,7 @@ def _state_layout(state) -> object | None:
     state = local(state)
     if type(state) is Tensor:
         return PLAIN_FP32 if state.dtype == torch.float32 and state.is_contiguous() else None
-    get_layout = getattr(state, "fast_path_layout", None)
+    get_layout = getattr(state, "fused_layout", None) or getattr(state, "fast_path_layout", None)
     layout = get_layout() if get_layout is not None else None
     if layout is None:
         return None
@@ -193,6 +193,12 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
         if x is None:
             kind = type(local(state[k])).__name__ if k in state else "missing"
             return f"its state {k!r} ({kind}) has no layout the fused kernels read", executor, None
+        if x.scale != "block" and executor == "triton":
+            return (
+                f"its state {k!r} has {x.scale} scales, which the fused CPU step reads and the Triton kernels do not",
+                executor,
+                None,
+            )
     if len({x.block_size for x in layouts if x.quantized}) > 1:
         return "its states have different block sizes", executor, None
     return None, executor, layouts
@@ -280,6 +286,12 @@ class GroupPlan:
         self.coefs_for: tuple[Tensor, Tensor] | None = (self.steps, self.coefs)
         self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
+        # per state with rank-1 scales (StateLayout.scale): each tensor's rows (int64, on the CPU: the C step reads
+        # them); None for blockwise scales
+        self.rows = tuple(
+            torch.tensor([local(s[k]).rows for s in states], dtype=torch.int64) if layout.scale == "rank1" else None
+            for k, layout in zip(self.rule.state_keys, self.layouts)
+        )
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES

@@ -134,6 +134,12 @@ class QuantizedState(torch.Tensor):
         format cannot be described that way (it then takes the compiled path)."""
         return None
 
+    def fused_layout(self) -> StateLayout | None:
+        """The layout the fused planner reads: :meth:`fast_path_layout`, or where a format's scales are not blockwise
+        but of a kind some fused kernels read (``StateLayout.scale``, e.g. ``"rank1"``), a layout saying so. The rest
+        of the library reads :meth:`fast_path_layout`, whose blockwise scales it may take for granted."""
+        return self.fast_path_layout()
+
     @classmethod
     def zeros_fields(cls, shape: Sequence[int], device: torch.device | str | None, **attrs) -> dict[str, torch.Tensor]:
         return cls.quantize_fields(torch.zeros(shape, device=device), **attrs)

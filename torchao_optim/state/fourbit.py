@@ -161,6 +161,7 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
 
     attr_fields = ("signed", "block_size", "rows")
     rows_field = "row_marks"
+    fused_scale = "rank1"  # the fused C step reads its row and column maxima
     # Shard(0): every rank quantizes its own rows, with the column maxima all-reduced (shared_columns says how many)
     row_shardable = True
     # Shard(1): a row's maximum would span ranks as well as a column's (kept plain), and no slice of columns

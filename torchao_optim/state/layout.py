@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-__all__ = ["PLAIN_FP32", "PlainLayout", "StateLayout"]
+__all__ = ["PLAIN_FP32", "SCALE_KINDS", "PlainLayout", "StateLayout"]
+
+SCALE_KINDS = ("block", "rank1")  # what a StateLayout's scales hold (StateLayout.scale)
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,12 @@ class StateLayout:
         bits (int): 8 (one code per byte) or 4 (two per byte: element ``2i`` in the low nibble).
         never_zero (bool): a nonzero value never encodes to the codebook's 0.0 (``exp_avg_sq``: Adam
             divides by its square root). See :mod:`torchao_optim.quant.codec` for the encoding rule.
+        scale (str): what ``scales`` holds. ``"block"``: one absmax per block. ``"rank1"``: the tensor read as the
+            row-major ``(rows, numel / rows)`` matrix of its ``rows`` attribute, ``rows`` row maxima then the column
+            maxima of the absolute values, element ``(r, c)`` scaled by the smaller of its row's and its column's (the
+            4-bit optimizers paper's rank-1 normalization). A format gives a rank-1 layout from ``fused_layout()``;
+            the fused C step reads it (the Triton kernels do not yet), ``block_size`` then being only the size of the
+            pieces it works in.
     """
 
     codes: str
@@ -34,6 +42,7 @@ class StateLayout:
     codebook: tuple[float, ...]
     bits: int = 8
     never_zero: bool = False
+    scale: str = "block"
     quantized: ClassVar[bool] = True
 
     def __post_init__(self):
@@ -43,6 +52,8 @@ class StateLayout:
             raise ValueError(f"a {self.bits}-bit codebook has 2 to {2**self.bits} values, got {len(self.codebook)}")
         if not isinstance(self.block_size, int) or self.block_size <= 0 or self.block_size % 2:
             raise ValueError(f"StateLayout.block_size must be a positive even int, got {self.block_size!r}")
+        if self.scale not in SCALE_KINDS:
+            raise ValueError(f"StateLayout.scale must be one of {SCALE_KINDS}, got {self.scale!r}")
 
     @property
     def signed(self) -> bool:
@@ -65,6 +76,7 @@ class PlainLayout:
     quantized: ClassVar[bool] = False
     bits: ClassVar[int] = 32
     block_size: ClassVar[None] = None
+    scale: ClassVar[str] = "block"
 
     def __repr__(self) -> str:
         return "PLAIN_FP32"

@@ -5,6 +5,7 @@ attribute ``rows``, and everything that follows from it being taken from the sha
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -34,8 +35,9 @@ class RowScaled:
     """Mixin, before the format's base class: the attribute ``rows`` (0: blockwise scales), taken from the shape
     when a state is created (so it survives the flat views the optimizer steps through), and held as the size of
     the field ``rows_field`` too: flattened for ``torch.compile`` a state carries ``rows`` that way only, not in its
-    constant attributes, so one compiled graph serves every row count. Such a state has no blockwise layout, so it
-    takes the per-parameter compiled path; a blockwise one (``rows`` 0) is fused as its base format's."""
+    constant attributes, so one compiled graph serves every row count. Such a state has no blockwise layout: the fused
+    kernels that read its kind of scales (``fused_scale``, in its ``fused_layout()``) take it, the others leave it to
+    the per-parameter compiled path; a blockwise one (``rows`` 0) is fused as its base format's."""
 
     rows_field: ClassVar[str]
     min_rows: ClassVar[int] = 1  # the fewest rows and columns a matrix of row scales has (else blockwise)
@@ -103,9 +105,19 @@ class RowScaled:
         attrs, dtype = ctx
         return cls(outer_size, dtype, **inner, **dict(attrs), rows=inner[cls.rows_field].shape[0])
 
+    # the StateLayout.scale of a state with rows, for the fused kernels that read it (fused_layout); None: none do
+    fused_scale: ClassVar[str | None] = None
+
     def fast_path_layout(self) -> StateLayout | None:
-        # scales per row and column are no blockwise absmax: the fused kernels cannot read them
+        # scales per row and column are no blockwise absmax
         return None if self.rows else super().fast_path_layout()
+
+    def fused_layout(self) -> StateLayout | None:
+        if not self.rows:
+            return self.fast_path_layout()
+        if self.fused_scale is None:
+            return None
+        return dataclasses.replace(self.layout_of(self.attrs()), scale=self.fused_scale)
 
 
 def rows_per_dim0(state) -> int:

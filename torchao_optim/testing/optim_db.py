@@ -660,17 +660,19 @@ def is_signed(key: str) -> bool:
     return key not in UNSIGNED_STATE_KEYS
 
 
-def _has_fused_layout(case: ConformanceCase) -> bool:
-    """Whether every state the case's fused executor would plan has a ``StateLayout`` in its format (the fused
-    executor's input). A format without one (rank-1 scales) has no fused executor to conform to: its fused cases
-    would only test the compiled path again."""
+def _has_fused_layout(case: ConformanceCase, executor: str | None = None) -> bool:
+    """Whether every state the case's fused executor would plan has a ``StateLayout`` in its format that the executor
+    reads (the fused executor's input): ``executor`` ``"cpu"``, the fused C step, reads every kind of scales (rank-1
+    too); ``"fused"`` (the Triton kernels) and None, blockwise ones only. A format without one (factored statistics)
+    has no fused executor to conform to: its fused cases would only test the compiled path again."""
     if case.format_name == "none":
         return True
     fmt = get_state_format(case.format_name)
     for p in case.info.fused_params(case.params()):
         if case.quantized(p):
             for key in case.state_keys(p):
-                if fmt.zeros(p.shape, signed=is_signed(key)).fast_path_layout() is None:
+                layout = fmt.zeros(p.shape, signed=is_signed(key)).fused_layout()
+                if layout is None or (executor != "cpu" and layout.scale != "block"):
                     return False
     return True
 
@@ -685,9 +687,10 @@ def conformance_cases(
 ) -> list[ConformanceCase]:
     """Every optimizer sample of ``db`` crossed with ``formats`` (``"none"`` among them for plain fp32 state) and
     with each executor it has there. ``"fused"`` and ``"cpu"`` run where the format describes the states they
-    plan as a ``StateLayout``. Of ``"compiled"`` and ``"eager"`` one runs: compiled with CUDA, where
-    ``compiled_on_cpu(row, format)`` (``row``: :attr:`ConformanceCase.row`), and where the sample has fused
-    executors but the format none (the compiled path is then the format's only one); else eager. Compiling the
+    plan as a ``StateLayout`` that executor reads. Of ``"compiled"`` and ``"eager"`` one runs: compiled with CUDA,
+    where ``compiled_on_cpu(row, format)`` (``row``: :attr:`ConformanceCase.row`), and where the sample has the
+    Triton executor but the format no layout it reads (the compiled path is then the format's path on CUDA); else
+    eager. Compiling the
     update takes inductor's C++ backend about half a minute a test on a CPU, per format and configuration;
     eager runs the same update, which each format's compiled form equals bit for bit (StateFormatTestCase).
     ``parity_tolerance`` (by format) and ``parity_slack`` (by ``(row, format)``) override the defaults."""
@@ -708,10 +711,9 @@ def conformance_cases(
                     return made
 
                 first = case(executors[0])
-                fused = [e for e in ("fused", "cpu") if e in executors]
-                if fused and not _has_fused_layout(first):
-                    fused = []
-                    compile = True
+                fused = [e for e in ("fused", "cpu") if e in executors and _has_fused_layout(first, e)]
+                if "fused" in executors and "fused" not in fused:
+                    compile = True  # the Triton kernels cannot take the format: on CUDA the compiled path is its path
                 else:
                     compile = torch.cuda.is_available() or compiled_on_cpu(first.row, fmt)
                 per_parameter = [e for e in executors if e in ("compiled", "eager")]
