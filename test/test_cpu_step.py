@@ -111,7 +111,7 @@ def test_adamw_equals_compiled_path(fmt, dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rank1_scales_at_their_edges_equal_compiled_path(threads, monkeypatch):
-    """"4bit_rank1"'s rank-1 scales on the C step, whose first pass finds the new row and column maxima: the compiled
+    """ "4bit_rank1"'s rank-1 scales on the C step, whose first pass finds the new row and column maxima: the compiled
     path's codes and maxima bit for bit where a block holds pieces of several rows (fewer columns than a block, or
     a row ending inside a block), where a row is all zero, where a row's scale is subnormal (the 2**64 lift), and
     on one thread or two (each thread's maxima merged)."""
@@ -125,7 +125,7 @@ def test_rank1_scales_at_their_edges_equal_compiled_path(threads, monkeypatch):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        for step in range(STEPS):
+        for _ in range(STEPS):
             for pa, pb in zip(a, b):
                 g = torch.randn(pa.shape, generator=gen)
                 rows = g.view(g.shape[0], -1)

@@ -469,25 +469,45 @@ static int has_rank1(const Job *job, int64_t t) {
     return 0;
 }
 
-/* the element scales' maxima of x[0..n) (elements start.. of a matrix of cols columns) into out: rows row maxima, then
-   the column maxima, as fp32 patterns; where(isfinite(x), |x|, 0), as quantize_fields takes them */
-NOINLINE static void fold_maxima(const float *restrict x, int64_t start, int n, int64_t rows, int64_t cols,
-                                 uint32_t *restrict out) {
-    uint32_t *row_max = out, *col_max = out + rows;
-    int64_t r = start / cols, c = start - r * cols;
-    uint32_t top = row_max[r];
-    for (int i = 0; i < n; i++) {
-        uint32_t m = bits_of(x[i]) & 0x7FFFFFFFu;
-        m = m < 0x7F800000u ? m : 0u;
-        top = m > top ? m : top;
-        col_max[c] = m > col_max[c] ? m : col_max[c];
-        if (++c == cols) {
-            row_max[r] = top;
-            c = 0;
-            top = ++r < rows ? row_max[r] : 0u;
-        }
+/* Each loop below works on one row's piece of a block (a block may end inside a row, or hold several short rows):
+   there the row's maximum is one number and the columns' are consecutive, so the loop vectorizes. piece_length: the
+   elements of a block's piece that starts at column c, of n left in the block. */
+static inline int64_t piece_length(int64_t n, int64_t cols, int64_t c) { return n < cols - c ? n : cols - c; }
+
+/* x times min(row_max, col_max[i]): a decoded piece of a row (torch.minimum of two non-negative numbers) */
+NOINLINE static void scale_piece(float *restrict x, int64_t len, float row_max, const float *restrict col_max) {
+    for (int64_t i = 0; i < len; i++) {
+        float b = col_max[i];
+        x[i] = x[i] * (row_max < b ? row_max : b);
     }
-    if (c) row_max[r] = top;
+}
+
+/* y = x over its scale, as quantize_fields computes it: x * lift * (1 / (scale * lift)) (lift 2**64 for a subnormal
+   scale; 1 / 1 for a zero one), NaN as 0, clamped to [-1, 1]; the maxima are fp32 patterns */
+NOINLINE static void normalize_piece(const float *restrict x, float *restrict y, int64_t len, float row_max,
+                                     const uint32_t *restrict col_max) {
+    for (int64_t i = 0; i < len; i++) {
+        float b = float_of(col_max[i]);
+        float scale = row_max < b ? row_max : b;
+        float lift = scale < 0x1p-126f ? 0x1p64f : 1.0f;
+        float v = x[i] * lift * (1.0f / (scale > 0.0f ? scale * lift : 1.0f));
+        v = v != v ? 0.0f : v;
+        y[i] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
+    }
+}
+
+/* the maxima of where(isfinite(x), |x|, 0) (as quantize_fields takes them) folded into a row's and its columns', as
+   fp32 patterns (non-negative: they order as integers) */
+NOINLINE static void fold_piece(const float *restrict x, int64_t len, uint32_t *restrict row_max,
+                                uint32_t *restrict col_max) {
+    uint32_t top = *row_max;
+    for (int64_t i = 0; i < len; i++) {
+        uint32_t m = bits_of(x[i]) & 0x7FFFFFFFu;
+        m &= -(uint32_t)(m < 0x7F800000u); /* as a mask: with a select GCC does not vectorize the reduction */
+        top = m > top ? m : top;
+        col_max[i] = m > col_max[i] ? m : col_max[i];
+    }
+    *row_max = top;
 }
 
 /* the decode of a state with rank-1 scales: each code's value (a block of scale 1) times its element's scale, from
@@ -497,32 +517,30 @@ static void decode_rank1(float *restrict dst, int64_t codes, int64_t scales, int
     if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, 1.0f, table, D);
     else decode4(dst, (const uint8_t *)codes + start / 2, n, 1.0f, table);
     const float *row_max = (const float *)scales, *col_max = row_max + rows;
-    int64_t r = start / cols, c = start - r * cols;
-    for (int i = 0; i < n; i++) {
-        float a = row_max[r], b = col_max[c];
-        dst[i] = dst[i] * (a < b ? a : b);
-        if (++c == cols) c = 0, r++;
+    for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
+        len = piece_length(n - i, cols, c);
+        scale_piece(dst + i, len, row_max[r], col_max + c);
     }
 }
 
-/* the encode of a state with rank-1 scales, from the new maxima, as quantize_fields computes it: y = x * lift *
-   (1 / (scale * lift)) (lift 2**64 for a subnormal scale; 1 / 1 for a zero one), clamped to [-1, 1] */
+/* the encode of a state with rank-1 scales, from the new maxima */
 static void encode_rank1(const float *restrict x, int64_t codes, int64_t start, int n, int64_t rows, int64_t cols,
                          const uint32_t *restrict maxima, int kind, const Encoder *E) {
     float y[MAX_BLOCK];
-    const uint32_t *row_max = maxima, *col_max = maxima + rows;
-    int64_t r = start / cols, c = start - r * cols;
-    for (int i = 0; i < n; i++) {
-        float a = float_of(row_max[r]), b = float_of(col_max[c]);
-        float scale = a < b ? a : b;
-        float lift = scale < 0x1p-126f ? 0x1p64f : 1.0f;
-        float v = x[i] * lift * (1.0f / (scale > 0.0f ? scale * lift : 1.0f));
-        v = v != v ? 0.0f : v;
-        y[i] = v < -1.0f ? -1.0f : (v > 1.0f ? 1.0f : v);
-        if (++c == cols) c = 0, r++;
+    for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
+        len = piece_length(n - i, cols, c);
+        normalize_piece(x + i, y + i, len, float_of(maxima[r]), maxima + rows + c);
     }
     if (kind == CODES8) encode8(y, (uint8_t *)codes + start, n, 1.0f, E);
     else encode4(y, (uint8_t *)codes + start / 2, n, 1.0f, E);
+}
+
+/* the new values' maxima into this thread's (out: rows row maxima, then the column maxima) */
+static void fold_maxima(const float *restrict x, int64_t start, int n, int64_t rows, int64_t cols, uint32_t *out) {
+    for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
+        len = piece_length(n - i, cols, c);
+        fold_piece(x + i, len, out + r, out + rows + c);
+    }
 }
 
 /* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
@@ -665,12 +683,17 @@ int torchao_optim_cpu_step(
                {values0, values1, values2}, {kind0, kind1, kind2},
                n_states, n_coefs, block, rule, param_dtype, grad_dtype, option, maximize, sr,
                first_block};
-    /* a codebook is sorted: it has negative values where its first is one */
-    make_encoder(&job.encoders[0], level1_0, level2_0, flat0, values0 && values0[0] < 0.0f);
-    make_encoder(&job.encoders[1], level1_1, level2_1, flat1, values1 && values1[0] < 0.0f);
-    make_encoder(&job.encoders[2], level1_2, level2_2, flat2, values2 && values2[0] < 0.0f);
-    for (int k = 0; k < n_states; k++)
-        if (job.kinds[k] == CODES8) make_decoder(&job.decoders[k], job.values[k]);
+    const int32_t *level1[MAX_STATES] = {level1_0, level1_1, level1_2};
+    const int32_t *level2[MAX_STATES] = {level2_0, level2_1, level2_2};
+    const int flat[MAX_STATES] = {flat0, flat1, flat2};
+    for (int k = 0; k < MAX_STATES; k++) {
+        /* only a quantized state's tables are read: a plain state's are placeholders of one element */
+        int quantized = k < n_states && job.kinds[k] != PLAIN;
+        /* a codebook is sorted: it has negative values where its first is one */
+        make_encoder(&job.encoders[k], quantized ? level1[k] : NULL, quantized ? level2[k] : NULL, flat[k],
+                     quantized && job.values[k][0] < 0.0f);
+        if (quantized && job.kinds[k] == CODES8) make_decoder(&job.decoders[k], job.values[k]);
+    }
     const int64_t *rows[MAX_STATES] = {rows0, rows1, rows2};
     int64_t n_stats = 0; /* the maxima of every tensor with rank-1 scales, rows then columns each */
     for (int k = 0; k < n_states; k++) job.rows[k] = rows[k];
