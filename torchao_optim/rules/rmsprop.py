@@ -136,11 +136,9 @@ def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: t
     return p, v, b
 
 
-def rmsprop_centered_tile_update(p, g, v, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
-    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` centered, without momentum, on a tile (``v``: ``square_avg``,
-    ``a``: ``grad_avg``; the two-state kernel's seven coefficients, the last three unused; no option): returns
-    ``(p, v, a)``, from the same fp32 operations in the same order as the plain update and the C update."""
-    lr, wd, one_minus_alpha, eps, _, _, _ = coefs
+def _centered_start(p, g, v, a, wd, one_minus_alpha, eps):
+    """The centered tile updates' common start: the gradient (a non-finite element as 0, plus the L2 term), whether it
+    was finite, the new ``square_avg`` and ``grad_avg``, and the denominator ``sqrt(max(v - a * a, 0)) + eps``."""
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)
     g = g + wd * p
@@ -148,6 +146,15 @@ def rmsprop_centered_tile_update(p, g, v, a, coefs, OPTION: tl.constexpr, PTX: t
     a_new = a + one_minus_alpha * (g - a)
     var = v_new - a_new * a_new
     denom = tl.sqrt_rn(tl.where(var < 0.0, 0.0, var)) + eps  # clamp_min(0): NaN stays NaN
+    return g, finite, v_new, a_new, denom
+
+
+def rmsprop_centered_tile_update(p, g, v, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
+    """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` centered, without momentum, on a tile (``v``: ``square_avg``,
+    ``a``: ``grad_avg``; the two-state kernel's seven coefficients, the last three unused; no option): returns
+    ``(p, v, a)``, from the same fp32 operations in the same order as the plain update and the C update."""
+    lr, wd, one_minus_alpha, eps, _, _, _ = coefs
+    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps)
     ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf"))
     p = tl.where(ok, p - lr * g / denom, p)
     v = tl.where(ok, v_new, v)
@@ -160,13 +167,8 @@ def rmsprop_centered_momentum_tile_update(p, g, v, b, a, coefs, OPTION: tl.const
     ``b``: ``momentum_buffer``, ``a``: ``grad_avg``; no option): returns ``(p, v, b, a)``, from the same fp32
     operations in the same order as the plain update and the C update (the square root correctly rounded)."""
     lr, wd, one_minus_alpha, eps, momentum = coefs
-    finite = tl.abs(g) < float("inf")
-    g = tl.where(finite, g, 0.0)
-    g = g + wd * p
-    v_new = v + one_minus_alpha * (g * g - v)
-    a_new = a + one_minus_alpha * (g - a)
-    var = v_new - a_new * a_new
-    b_new = b * momentum + g / (tl.sqrt_rn(tl.where(var < 0.0, 0.0, var)) + eps)  # clamp_min(0): NaN stays NaN
+    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps)
+    b_new = b * momentum + g / denom
     ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf")) & (tl.abs(b_new) < float("inf"))
     v = tl.where(ok, v_new, v)
     b = tl.where(ok, b_new, b)
@@ -267,7 +269,7 @@ RMSPROP_CENTERED = FusedRule(
     (False, True),
     RMSPROP_MOMENTUM_COEFS,
     _two_state_coefficients,
-    triton_update=triton_jit(rmsprop_centered_tile_update),
+    triton_update=triton_jit(rmsprop_centered_tile_update, calls=(_centered_start,)),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered",
 )
@@ -277,7 +279,7 @@ RMSPROP_CENTERED_MOMENTUM = FusedRule(
     (False, True, True),
     RMSPROP_COEFS,
     rmsprop_coefficients,
-    triton_update=triton_jit(rmsprop_centered_momentum_tile_update),
+    triton_update=triton_jit(rmsprop_centered_momentum_tile_update, calls=(_centered_start,)),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered_momentum",
 )
