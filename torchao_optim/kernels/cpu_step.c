@@ -4,7 +4,8 @@
  * tensor: the parameter, then the codes or fp32 values and the scales of each state), the same coefficient
  * rows, the same codebook and O(1) encoder tables (quant/codec.py), so it stores the codes the compiled path
  * stores for the same values. It knows no format: a state is plain fp32 (kind 0) or codes of 8 or 4 bits
- * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each. A rule
+ * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each, or with rank-1
+ * scales (a matrix's row and column maxima, StateLayout.scale "rank1": below, "rank-1 scales"). A rule
  * carries one, two or three states (as the Triton kernels do: triton_momentum.py one, triton_adam.py two or three).
  *
  * Each quantization block is worked in passes over small buffers that stay in L1: decode the states (and
