@@ -119,29 +119,29 @@ NOINLINE static void store_param(const float *restrict p, void *base, int64_t st
    a lane at a time. Filled for every 8-bit state at the start of a step (make_decoder). */
 typedef struct {
     uint8_t planes[4][256];
+    /* the interleave of the planes (unpack within 128-bit lanes) leaves register q, lane L, slot k holding position
+       16 L + 4 q + k, so the codes are first put in that order: position 16 L + 4 q + k takes code 16 q + 4 L + k */
+    uint8_t order[64];
 } Decoder8;
 
 static void make_decoder(Decoder8 *D, const float *table) {
     for (int k = 0; k < 256; k++)
         for (int j = 0; j < 4; j++) D->planes[j][k] = (uint8_t)(bits_of(table[k]) >> (8 * j));
+    for (int L = 0; L < 4; L++)
+        for (int q = 0; q < 4; q++)
+            for (int k = 0; k < 4; k++) D->order[16 * L + 4 * q + k] = (uint8_t)(16 * q + 4 * L + k);
 }
 
 NOINLINE static void decode8(float *restrict dst, const uint8_t *restrict c, int n, float scale,
                              const float *restrict table, const Decoder8 *restrict D) {
     int i = 0;
 #ifdef VBMI
-    /* Per 64 codes: each plane's byte from two permutes (codes 0-127, 128-255) and a blend on the code's top bit;
-       then the planes interleaved into fp32 patterns. The interleave (unpack within 128-bit lanes) leaves register q,
-       lane L, slot k holding position 16 L + 4 q + k, so the codes are first put in that order: position 16 L + 4 q + k
-       takes code 16 q + 4 L + k. */
+    /* Per 64 codes, put in D->order first: each plane's byte from two permutes (codes 0-127, 128-255) and a blend on
+       the code's top bit; then the planes interleaved into fp32 patterns. */
     __m512i plane[4][4];
     for (int j = 0; j < 4; j++)
         for (int h = 0; h < 4; h++) plane[j][h] = _mm512_loadu_si512(D->planes[j] + 64 * h);
-    uint8_t order_bytes[64];
-    for (int L = 0; L < 4; L++)
-        for (int q = 0; q < 4; q++)
-            for (int k = 0; k < 4; k++) order_bytes[16 * L + 4 * q + k] = (uint8_t)(16 * q + 4 * L + k);
-    const __m512i order = _mm512_loadu_si512(order_bytes);
+    const __m512i order = _mm512_loadu_si512(D->order);
     const __m512 s = _mm512_set1_ps(scale);
     for (; i + 64 <= n; i += 64) {
         __m512i codes = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(c + i));
@@ -186,11 +186,17 @@ NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int
     if (n & 1) dst[n - 1] = table[c[half] & 15] * scale;
 }
 
+/* codes of 8 or 4 bits (kind) of elements start.. times scale */
+static void decode_codes(float *restrict dst, int64_t codes, int64_t start, int n, float scale, int kind,
+                         const float *restrict table, const Decoder8 *D) {
+    if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, scale, table, D);
+    else decode4(dst, (const uint8_t *)codes + start / 2, n, scale, table);
+}
+
 static void decode(float *restrict dst, int64_t codes, int64_t scales, int64_t start, int64_t blk, int n, int kind,
                    const float *restrict table, const Decoder8 *D) {
     if (kind == PLAIN) memcpy(dst, (const float *)codes + start, (size_t)n * 4);
-    else if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, ((const float *)scales)[blk], table, D);
-    else decode4(dst, (const uint8_t *)codes + start / 2, n, ((const float *)scales)[blk], table);
+    else decode_codes(dst, codes, start, n, ((const float *)scales)[blk], kind, table, D);
 }
 
 /* codec.encode: the code of y (fp32 in [-1, 1], no NaN) from two table loads and integer operations */
@@ -275,6 +281,14 @@ static inline __m512i encode16(__m512 y, const Encoder *E, __m512i pos0, __m512i
     return _mm512_mask_add_epi32(code, up, code, ones);
 }
 
+/* 32 codes (a: elements 0-15, b: 16-31) as 16 bytes, element 2i in the low nibble */
+static inline void store_nibbles32(uint8_t *c, __m512i a, __m512i b) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512i lo = _mm512_permutex2var_epi32(a, even, b), hi = _mm512_permutex2var_epi32(a, odd, b);
+    _mm_storeu_si128((__m128i *)c, _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
+}
+
 /* encode_flat() on 16 values */
 static inline __m512i encode16_flat(__m512 y, const int32_t *table, __m128i shift, __m512i flip) {
     __m512i b = _mm512_castps_si512(_mm512_add_ps(y, _mm512_setzero_ps()));
@@ -315,14 +329,9 @@ NOINLINE static void encode4_flat(const float *restrict x, uint8_t *restrict c, 
     const __m512 scale = _mm512_set1_ps(inv);
     const __m128i count = _mm_cvtsi32_si128(shift);
     const __m512i flips = _mm512_set1_epi32((int32_t)flip);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (; j + 16 <= half; j += 16) { /* 32 elements, 16 bytes */
-        __m512i a = encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale), table, count, flips);
-        __m512i b = encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale), table, count, flips);
-        __m512i lo = _mm512_permutex2var_epi32(a, even, b), hi = _mm512_permutex2var_epi32(a, odd, b);
-        _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
-    }
+    for (; j + 16 <= half; j += 16) /* 32 elements, 16 bytes */
+        store_nibbles32(c + j, encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale), table, count, flips),
+                        encode16_flat(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale), table, count, flips));
 #endif
     for (; j < half; j++)
         c[j] = (uint8_t)(encode_flat(x[2 * j] * inv, table, shift, flip) |
@@ -371,17 +380,19 @@ NOINLINE static void encode4(const float *restrict x, uint8_t *restrict c, int n
     if (E->compact) {
         ENCODER_REGISTERS(E);
         __m512 scale = _mm512_set1_ps(inv);
-        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-        for (; j + 16 <= half; j += 16) { /* 32 elements, 16 bytes */
-            __m512i a = ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale));
-            __m512i b = ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale));
-            __m512i lo = _mm512_permutex2var_epi32(a, even, b), hi = _mm512_permutex2var_epi32(a, odd, b);
-            _mm_storeu_si128((__m128i *)(c + j), _mm512_cvtepi32_epi8(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4))));
-        }
+        for (; j + 16 <= half; j += 16) /* 32 elements, 16 bytes */
+            store_nibbles32(c + j, ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j), scale)),
+                            ENCODE16(_mm512_mul_ps(_mm512_loadu_ps(x + 2 * j + 16), scale)));
     }
 #endif
     encode4_tables(x + 2 * j, c + j, n - 2 * j, inv, E->level1, E->level2);
+}
+
+/* x times inv as codes of 8 or 4 bits (kind) of elements start.. */
+static void encode_codes(const float *restrict x, int64_t codes, int64_t start, int n, float inv, int kind,
+                         const Encoder *E) {
+    if (kind == CODES8) encode8(x, (uint8_t *)codes + start, n, inv, E);
+    else encode4(x, (uint8_t *)codes + start / 2, n, inv, E);
 }
 
 static void encode_store(const float *restrict x, int64_t codes, int64_t scales, int64_t start, int64_t blk, int n,
@@ -407,8 +418,7 @@ static void encode_store(const float *restrict x, int64_t codes, int64_t scales,
         absmax *= 0x1p64f;
     }
     float inv = 1.0f / (absmax > 0.0f ? absmax : 1.0f);
-    if (kind == CODES8) encode8(x, (uint8_t *)codes + start, n, inv, E);
-    else encode4(x, (uint8_t *)codes + start / 2, n, inv, E);
+    encode_codes(x, codes, start, n, inv, kind, E);
     absmax = float_of(top);
     ((float *)scales)[blk] = absmax;
 }
@@ -515,8 +525,7 @@ NOINLINE static void fold_piece(const float *restrict x, int64_t len, uint32_t *
    the maxima the state holds */
 static void decode_rank1(float *restrict dst, int64_t codes, int64_t scales, int64_t start, int n, int64_t rows,
                          int64_t cols, int kind, const float *restrict table, const Decoder8 *D) {
-    if (kind == CODES8) decode8(dst, (const uint8_t *)codes + start, n, 1.0f, table, D);
-    else decode4(dst, (const uint8_t *)codes + start / 2, n, 1.0f, table);
+    decode_codes(dst, codes, start, n, 1.0f, kind, table, D);
     const float *row_max = (const float *)scales, *col_max = row_max + rows;
     for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
         len = piece_length(n - i, cols, c);
@@ -532,8 +541,7 @@ static void encode_rank1(const float *restrict x, int64_t codes, int64_t start, 
         len = piece_length(n - i, cols, c);
         normalize_piece(x + i, y + i, len, float_of(maxima[r]), maxima + rows + c);
     }
-    if (kind == CODES8) encode8(y, (uint8_t *)codes + start, n, 1.0f, E);
-    else encode4(y, (uint8_t *)codes + start / 2, n, 1.0f, E);
+    encode_codes(y, codes, start, n, 1.0f, kind, E);
 }
 
 /* the new values' maxima into this thread's (out: rows row maxima, then the column maxima) */
