@@ -170,32 +170,30 @@ def training_flops(cfg: GPTConfig, tokens: int) -> float:
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
-def has_fused_layout(state_format: str, device: str = "cpu") -> bool:
-    """Whether the fused executor of ``device`` (the C step on the CPU, the Triton kernels on CUDA) takes a matrix's
-    states in ``state_format``: both its states describe themselves by a layout that executor reads (the C step reads
-    rank-1 scales too, the Triton kernels blockwise ones only). A format without one takes the per-parameter
-    compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
+def has_fused_layout(state_format: str) -> bool:
+    """Whether the fused executors (the C step on the CPU, the Triton kernels on CUDA) take a matrix's states in
+    ``state_format``: both its states describe themselves by a layout (any kind of scales). A format without one takes
+    the per-parameter compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
     fmt = torchao_optim.get_state_format(state_format)
     layouts = [fmt.zeros((256, 256), signed=s, device="meta").fused_layout() for s in (True, False)]
-    return all(x is not None and (device == "cpu" or x.scale == "block") for x in layouts)
+    return all(x is not None for x in layouts)
 
 
 def default_optims(all_formats: bool = False) -> list[str]:
-    """AdamW, AdamW8bit, and every registered format that no alias above already covers and that both fused
-    executors take; with ``all_formats``, the others too (``"4bit_rank1"``, fused on the CPU only, and the formats
-    no fused executor takes)."""
+    """AdamW, AdamW8bit, and every registered format that no alias above already covers and that the fused executors
+    take; with ``all_formats``, the others too (the formats no fused executor takes, whose first step compiles)."""
     covered = set(ALIASES.values())
     formats = [f for f in torchao_optim.list_state_formats() if f not in covered]
-    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in formats if all_formats or has_fused_layout(f, "cuda")]
+    return [REFERENCE, *ALIASES] + [f"AdamW-{f}" for f in formats if all_formats or has_fused_layout(f)]
 
 
-def takes_compiled_path(name: str, device: str = "cpu") -> bool:
-    """Whether optimizer ``name`` is an Adam of ours whose matrices take the per-parameter compiled path on
-    ``device``: a format without a layout its fused executor reads, or ``fused=False``."""
+def takes_compiled_path(name: str) -> bool:
+    """Whether optimizer ``name`` is an Adam of ours whose matrices take the per-parameter compiled path: a format
+    without a layout the fused executors read, or ``fused=False``."""
     entry = optimizers.optimizer_table()[optimizers.resolve(name)]
     if not entry.name.startswith("Adam") or entry.state_format in (None, "none"):
         return False
-    return entry.name.startswith("AdamWCompiled-") or not has_fused_layout(entry.state_format, device)
+    return entry.name.startswith("AdamWCompiled-") or not has_fused_layout(entry.state_format)
 
 
 def compiled_graph_count() -> int:
@@ -1161,7 +1159,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{len(args.seeds)} seeds x {args.steps} steps, about {_minutes(per_run_s)} a run; an fp32 AdamW step takes "
         f"{step_s * 1e3:.0f} ms here{rate})"
     )
-    unfused = [o for o in args.optims if takes_compiled_path(o, device.type)]
+    unfused = [o for o in args.optims if takes_compiled_path(o)]
     if unfused:
         print(
             f"  not counted: {', '.join(unfused)} take the per-parameter compiled path: a first step that compiles "

@@ -98,22 +98,19 @@ def test_default_optims_skip_formats_covered_by_an_alias():
 
 
 def test_default_optims_leave_formats_without_a_fused_layout_to_all_formats(capsys):
-    """The default run stays short and the same on every device: a format that one fused executor does not take (its
-    first step compiles for about a minute on a CPU) runs only when asked for. "4bit_rank1" is fused on the CPU (the C
-    step reads rank-1 scales), not on CUDA; the factored formats on neither."""
-    assert bench.has_fused_layout("4bit") and bench.has_fused_layout("4bit", "cuda")
-    assert bench.has_fused_layout("4bit_rank1") and not bench.has_fused_layout("4bit_rank1", "cuda")
+    """The default run stays short and the same on every device: a format that the fused executors do not take (its
+    first step compiles for about a minute on a CPU) runs only when asked for. "4bit_rank1" is fused on both (the C
+    step and the Triton kernels read rank-1 scales); the factored formats on neither."""
+    assert bench.has_fused_layout("4bit") and bench.has_fused_layout("4bit_rank1")
     assert not bench.has_fused_layout("factored")
     default, every = bench.default_optims(), bench.default_optims(all_formats=True)
-    assert "AdamW-4bit" in default and "AdamW-fp8" in default and "AdamW-4bit_rank1" not in default
-    assert "AdamW-4bit_rank1" in every and set(default) < set(every)
-    assert [o for o in every if o not in default] == [o for o in every if bench.takes_compiled_path(o, "cuda")]
+    assert "AdamW-4bit" in default and "AdamW-fp8" in default and "AdamW-4bit_rank1" in default
+    assert set(default) < set(every)
+    assert [o for o in every if o not in default] == [o for o in every if bench.takes_compiled_path(o)]
     assert [o for o in every if bench.takes_compiled_path(o)] == ["AdamW-factored", "AdamW-factored4"]
     assert bench.parse_args([]).optims == default
     assert bench.parse_args(["--all_formats"]).optims == every
-    assert bench.takes_compiled_path("AdamW-4bit_rank1", "cuda") and bench.takes_compiled_path("AdamWCompiled-dtq8")
-    assert not bench.takes_compiled_path("AdamW-4bit_rank1")
-    assert not any(bench.takes_compiled_path(o, "cuda") for o in default)
+    assert bench.takes_compiled_path("AdamWCompiled-dtq8") and not bench.takes_compiled_path("AdamW-4bit_rank1")
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(["--all_formats", "--optims", "AdamW"])
     assert exc.value.code == 2

@@ -54,15 +54,14 @@ def test_explain_names_the_setting_that_turns_the_fused_path_off():
     assert "per-parameter path, eager (compile=False)" in text and "fused=False" in text
     text = torchao_optim.AdamW(model.parameters(), state_format="factored", min_quant_size=0).explain()
     assert "its state 'exp_avg_sq' (FactoredTensor) has no layout the fused kernels read" in text
-    # rank-1 scales: the fused C step reads them, the Triton kernels (here in Triton's interpreter) do not
+    # rank-1 scales: the fused C step and the Triton kernels (here in Triton's interpreter) read them
     text = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", min_quant_size=0).explain()
     assert "fused C step: 6 parameter(s)" in text and "not fused" not in text
     if fused_available("cpu"):
         text = torchao_optim.AdamW(
             model.parameters(), state_format="4bit_rank1", min_quant_size=0, fused=True
         ).explain()
-        why = "its state 'exp_avg_sq' has rank1 scales, which the fused CPU step reads and the Triton kernels do not"
-        assert why in text
+        assert "not fused" not in text
     text = torchao_optim.SGD8bit(model.parameters(), momentum=0.0).explain()
     assert "no state to update" in text
 

@@ -171,17 +171,29 @@ def _load_tile(
     N_STATES: tl.constexpr = 2,
     W_QUANT: tl.constexpr = False,
     W_BITS: tl.constexpr = 8,
+    M_RANK1: tl.constexpr = False,
+    V_RANK1: tl.constexpr = False,
+    W_RANK1: tl.constexpr = False,
+    rows=0,
+    cols=0,
 ):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
     and scales (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``:
-    ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``)."""
+    ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``). A state with rank-1 scales (``M_RANK1``,
+    ...) reads the tensor as ``rows`` rows of ``cols``; its scales are each element's."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
-    m_raw, m_scale = load_codes(mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
-    v_raw, v_scale = load_codes(vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    m_raw, m_scale = load_codes(
+        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_RANK1, rows, cols
+    )
+    v_raw, v_scale = load_codes(
+        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_RANK1, rows, cols
+    )
     if N_STATES == 3:
-        w_raw, w_scale = load_codes(wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+        w_raw, w_scale = load_codes(
+            wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_RANK1, rows, cols
+        )
         return (
             p,
             g,
@@ -270,10 +282,19 @@ def _update_tile(
     W_BITS: tl.constexpr = 8,
     W_SIGNED: tl.constexpr = True,
     W_FLAT: tl.constexpr = 0,
+    M_RANK1: tl.constexpr = False,
+    V_RANK1: tl.constexpr = False,
+    W_RANK1: tl.constexpr = False,
+    rows=0,
+    cols=0,
+    m_new=0,
+    v_new=0,
+    w_new=0,
 ):
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
     coefficients (:func:`_load_coefs`, :func:`_load_row`). With ``N_STATES`` 3, the third state's too (the ``w``
-    arguments, as the first two states' ``m`` and ``v``)."""
+    arguments, as the first two states' ``m`` and ``v``). A state with rank-1 scales is encoded with its new maxima
+    (``m_new``, ...: :func:`_load_tile`'s scales were the old ones)."""
     if N_STATES == 3:
         p, g, m_raw, m_scale, v_raw, v_scale, w_raw, w_scale = tile
     else:
@@ -281,10 +302,10 @@ def _update_tile(
     start = blk * BLOCK
     p = as_fp32(p, PARAM_DTYPE, WHOLE)
     g = as_fp32(g, GRAD_DTYPE, WHOLE)
-    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE)
-    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_RANK1)
+    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_RANK1)
     if N_STATES == 3:
-        w = load_state(w_raw, w_scale, w_values, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+        w = load_state(w_raw, w_scale, w_values, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_RANK1)
 
     if MAXIMIZE:
         g = -g
@@ -297,7 +318,7 @@ def _update_tile(
     store_state(
         m,
         mc,
-        ms,
+        m_new if M_RANK1 else ms,
         start,
         blk,
         local,
@@ -313,11 +334,14 @@ def _update_tile(
         M_SIGNED,
         M_FLAT,
         WHOLE,
+        M_RANK1,
+        rows,
+        cols,
     )
     store_state(
         v,
         vc,
-        vs,
+        v_new if V_RANK1 else vs,
         start,
         blk,
         local,
@@ -333,12 +357,15 @@ def _update_tile(
         V_SIGNED,
         V_FLAT,
         WHOLE,
+        V_RANK1,
+        rows,
+        cols,
     )
     if N_STATES == 3:
         store_state(
             w,
             wc,
-            ws,
+            w_new if W_RANK1 else ws,
             start,
             blk,
             local,
@@ -354,6 +381,9 @@ def _update_tile(
             W_SIGNED,
             W_FLAT,
             WHOLE,
+            W_RANK1,
+            rows,
+            cols,
         )
 
 
@@ -378,6 +408,8 @@ def adam_kernel(
     w_values,
     w_level1,
     w_level2,  # the third state's (None with two states)
+    rank1,  # int64 (n_tensors, 1 + N_STATES) with a state of rank-1 scales (None without): the rows of the tensor's
+    # matrix, then each state's new maxima (triton_rank1.rank1_stats_kernel's; 0 for a blockwise state)
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -406,6 +438,9 @@ def adam_kernel(
     W_BITS: tl.constexpr = 8,
     W_SIGNED: tl.constexpr = True,
     W_FLAT: tl.constexpr = 0,  # the third state's, as M_QUANT, M_BITS, M_SIGNED and M_FLAT
+    M_RANK1: tl.constexpr = False,
+    V_RANK1: tl.constexpr = False,
+    W_RANK1: tl.constexpr = False,  # each state's scales: rank-1 (StateLayout.scale "rank1"), or one per block
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
     # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
@@ -429,6 +464,14 @@ def adam_kernel(
         wc, ws = _codes_pointer(tl.load(row + 5), W_QUANT, W_BITS, ALIGNED), tl.load(row + 6)
     else:
         wc, ws = None, None
+    if M_RANK1 or V_RANK1 or W_RANK1:  # the tensor as a matrix, and the new maxima its rank-1 states are encoded with
+        info = rank1 + t * (1 + N_STATES)
+        rows = tl.load(info)
+        cols = numel // rows
+        m_new, v_new = tl.load(info + 1), tl.load(info + 2)
+        w_new = tl.load(info + 3) if N_STATES == 3 else 0
+    else:
+        rows, cols, m_new, v_new, w_new = 0, 0, 0, 0, 0
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
@@ -460,6 +503,11 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
+            M_RANK1=M_RANK1,
+            V_RANK1=V_RANK1,
+            W_RANK1=W_RANK1,
+            rows=rows,
+            cols=cols,
         )
     if PDL:
         gdc_wait()
@@ -499,6 +547,11 @@ def adam_kernel(
                 N_STATES=N_STATES,
                 W_QUANT=W_QUANT,
                 W_BITS=W_BITS,
+                M_RANK1=M_RANK1,
+                V_RANK1=V_RANK1,
+                W_RANK1=W_RANK1,
+                rows=rows,
+                cols=cols,
             )
         else:
             tile = _load_tile(
@@ -527,6 +580,11 @@ def adam_kernel(
                 N_STATES=N_STATES,
                 W_QUANT=W_QUANT,
                 W_BITS=W_BITS,
+                M_RANK1=M_RANK1,
+                V_RANK1=V_RANK1,
+                W_RANK1=W_RANK1,
+                rows=rows,
+                cols=cols,
             )
         _update_tile(
             tile,
@@ -574,8 +632,16 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
+            M_RANK1=M_RANK1,
+            V_RANK1=V_RANK1,
+            W_RANK1=W_RANK1,
+            rows=rows,
+            cols=cols,
             W_SIGNED=W_SIGNED,
             W_FLAT=W_FLAT,
+            m_new=m_new,
+            v_new=v_new,
+            w_new=w_new,
         )
     # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
@@ -606,6 +672,11 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
+            M_RANK1=M_RANK1,
+            V_RANK1=V_RANK1,
+            W_RANK1=W_RANK1,
+            rows=rows,
+            cols=cols,
         )
         _update_tile(
             tile,
@@ -652,6 +723,14 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
+            M_RANK1=M_RANK1,
+            V_RANK1=V_RANK1,
+            W_RANK1=W_RANK1,
+            rows=rows,
+            cols=cols,
             W_SIGNED=W_SIGNED,
             W_FLAT=W_FLAT,
+            m_new=m_new,
+            v_new=v_new,
+            w_new=w_new,
         )

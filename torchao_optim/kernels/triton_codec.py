@@ -213,6 +213,33 @@ def whole_mask(n_valid, N: tl.constexpr):
 
 
 @triton.jit
+def _row_col(start, local, cols, BLOCK: tl.constexpr):
+    """Row and column (int32) of elements ``start + local`` in the row-major matrix of ``cols`` columns: one division
+    per tile, and per element a compare where a row is at least a tile long (a tile then ends at most one row
+    further on), else a division."""
+    r0 = start // cols
+    c = (start - r0 * cols).to(tl.int32) + local
+    n = cols.to(tl.int32)
+    if n >= BLOCK:
+        wrap = (c >= n).to(tl.int32)
+    else:
+        wrap = c // n
+    return r0.to(tl.int32) + wrap, c - wrap * n
+
+
+@triton.jit
+def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr):
+    """Rank-1 scales (``StateLayout.scale`` ``"rank1"``) of elements ``start + local`` (the first ``n_valid`` exist;
+    1.0 past them) of a matrix of ``rows`` rows of ``cols``: ``min(row maximum, column maximum)`` from ``maxima``
+    (fp32: the row maxima, then the column maxima), as ``FourBitRank1Tensor`` takes them. The maxima are a few KB
+    per matrix: these loads are cache hits."""
+    r, c = _row_col(start, local, cols, BLOCK)
+    m = maxima.to(tl.pointer_type(tl.float32))
+    mask = local < n_valid
+    return tl.minimum(tl.load(m + r, mask=mask, other=1.0), tl.load(m + rows + c, mask=mask, other=1.0))
+
+
+@triton.jit
 def _code_words(codes, blk, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """The addresses of tile ``blk``'s 4-bit codes as ``BLOCK // VEC`` words of ``VEC // 2`` bytes, the codes of a
     run of ``VEC`` elements each, known to the compiler as contiguous one at a time: each thread then loads and
@@ -264,6 +291,9 @@ def load_codes(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     WHOLE: tl.constexpr = False,
+    RANK1: tl.constexpr = False,
+    rows=0,
+    cols=0,
 ):
     """The raw contents of one state on tile ``blk``: ``local`` (BLOCK,) offsets from element ``start``, of
     which the first ``n_valid`` exist; the tile holds ``BLOCK // QBLOCK`` quantization blocks. Returns (the code
@@ -275,7 +305,9 @@ def load_codes(
     nothing, they are one predicate for the tile and the loads stay vectors. ``WHOLE`` (the caller knows
     ``n_valid`` is the whole tile or nothing): 4-bit codes come as one word per run of ``VEC`` elements
     (``VEC // 2`` bytes, a thread's own), not byte by byte (a byte mask ``2 * offset < n_valid`` is a predicate
-    per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`)."""
+    per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`). ``RANK1``: the
+    state has rank-1 scales over a matrix of ``rows`` rows of ``cols`` (``scales``: its maxima): the scales returned
+    are each element's (:func:`rank1_scales`)."""
     if QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
@@ -285,6 +317,8 @@ def load_codes(
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
         raw = raw.to(tl.int32)
+        if RANK1:
+            return raw, rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
         scales = scales.to(tl.pointer_type(tl.float32))
         if QBLOCK == BLOCK:
             scale = tl.load(scales + blk, mask=n_valid > 0, other=0.0)
@@ -307,10 +341,11 @@ def load_state(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr = 0,
     WHOLE: tl.constexpr = False,
+    RANK1: tl.constexpr = False,
 ):
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
-    elements' values: the low nibble's in the low word). ``VEC`` and ``WHOLE``: :func:`load_codes`'."""
+    elements' values: the low nibble's in the low word). ``VEC``, ``WHOLE`` and ``RANK1``: :func:`load_codes`'."""
     if QUANT:
         if BITS == 8:
             x = tl.load(values + raw)
@@ -319,7 +354,7 @@ def load_state(
         else:
             pair = tl.load(values.to(tl.pointer_type(tl.int64)) + raw)
             x = tl.interleave(pair.to(tl.int32), (pair >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-        if QBLOCK == BLOCK:
+        if RANK1 or QBLOCK == BLOCK:  # a scale per element, or one for the tile
             x = x * scale
         else:  # (an early return would not spare this branch's compilation for a scalar scale)
             x = tl.reshape(_by_block(x, QBLOCK, BLOCK) * scale[:, None], (BLOCK,))
@@ -348,11 +383,17 @@ def store_state(
     SIGNED: tl.constexpr,
     FLAT: tl.constexpr = 0,
     WHOLE: tl.constexpr = False,
+    RANK1: tl.constexpr = False,
+    rows=0,
+    cols=0,
 ):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
-    so the compiled path's finiteness masks change nothing here."""
+    so the compiled path's finiteness masks change nothing here. ``RANK1`` (rank-1 scales over a matrix of ``rows``
+    rows of ``cols``): ``scales`` are the new maxima, already taken over the whole matrix's new values (a first
+    pass, :mod:`~torchao_optim.kernels.triton_rank1`); only the codes of ``x`` over each element's scale are
+    written."""
     mask = local < n_valid
     if QUANT:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
@@ -360,7 +401,11 @@ def store_state(
         # (exact), as quant.blockwise.normalize does. One block per tile: a branch, taken only by such a block,
         # so other tiles pay nothing. Several: the factor is per block, 1 for all others (a branch there would
         # hold both paths in registers: 9 more).
-        if QBLOCK == BLOCK:
+        if RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
+            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
+            lift = tl.where(scale < TINY, LIFT, 1.0)
+            y = (x * lift) * tl.div_rn(1.0, tl.where(scale > 0, scale * lift, 1.0))
+        elif QBLOCK == BLOCK:
             absmax = tl.max(magnitude, axis=0)
             if absmax < TINY:
                 y = (x * LIFT) * tl.div_rn(1.0, tl.where(absmax > 0, absmax * LIFT, 1.0))
@@ -396,7 +441,9 @@ def store_state(
                 mask=2 * half < n_valid,
             )
         scales = scales.to(tl.pointer_type(tl.float32))
-        if QBLOCK == BLOCK:
+        if RANK1:
+            pass  # the maxima are stored once every tile has decoded with the old ones
+        elif QBLOCK == BLOCK:
             tl.store(scales + blk, absmax)
         else:  # each thread holds its own block's absmax (the reduction's layout): one store per block, with no
             # shuffles to gather every block's into every thread first

@@ -55,15 +55,22 @@ def _momentum_tile(
     S_FLAT: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     WHOLE: tl.constexpr = False,
+    S_RANK1: tl.constexpr = False,
+    rows=0,
+    cols=0,
+    s_new=0,
 ):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, the rule's arithmetic (``UPDATE`` with its
     ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile
-    is whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words)."""
+    is whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words). ``S_RANK1``: the state has rank-1
+    scales over ``rows`` rows of ``cols``, decoded with its maxima and encoded with the new ones at ``s_new``."""
     start = blk * BLOCK
     p = as_fp32(load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE), PARAM_DTYPE, WHOLE)
     g = as_fp32(load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE), GRAD_DTYPE, WHOLE)
-    raw, scale = load_codes(sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
-    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE)
+    raw, scale = load_codes(
+        sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_RANK1, rows, cols
+    )
+    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_RANK1)
 
     if MAXIMIZE:
         g = -g
@@ -73,7 +80,7 @@ def _momentum_tile(
     store_state(
         s,
         sc,
-        ss,
+        s_new if S_RANK1 else ss,
         start,
         blk,
         local,
@@ -89,6 +96,9 @@ def _momentum_tile(
         S_SIGNED,
         S_FLAT,
         WHOLE,
+        S_RANK1,
+        rows,
+        cols,
     )
 
 
@@ -106,6 +116,7 @@ def momentum_kernel(
     s_values,
     s_level1,
     s_level2,  # the state's codebook and encoder tables (level1 by bits, level2 keyed)
+    rank1,  # int64 (n_tensors, 2) with rank-1 scales (None without): the rows of the tensor's matrix, the new maxima
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -121,6 +132,7 @@ def momentum_kernel(
     PTX: tl.constexpr,
     S_SIGNED: tl.constexpr,
     S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; kernels.tables.flat_shift)
+    S_RANK1: tl.constexpr = False,  # the state's scales: rank-1 (StateLayout.scale "rank1"), or one per block
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -138,6 +150,12 @@ def momentum_kernel(
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     sc = _codes_pointer(tl.load(row + 1), S_QUANT, S_BITS, ALIGNED)
     ss = tl.load(row + 2)
+    if S_RANK1:  # as in adam_kernel
+        rows = tl.load(rank1 + 2 * t)
+        cols = numel // rows
+        s_new = tl.load(rank1 + 2 * t + 1)
+    else:
+        rows, cols, s_new = 0, 0, 0
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
@@ -170,6 +188,10 @@ def momentum_kernel(
             S_FLAT,
             GRAD_DTYPE,
             True,
+            S_RANK1,
+            rows,
+            cols,
+            s_new,
         )
     if has_tail:
         blk = first + n_full
@@ -201,4 +223,9 @@ def momentum_kernel(
             S_SIGNED,
             S_FLAT,
             GRAD_DTYPE,
+            False,
+            S_RANK1,
+            rows,
+            cols,
+            s_new,
         )

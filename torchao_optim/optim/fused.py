@@ -193,12 +193,6 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
         if x is None:
             kind = type(local(state[k])).__name__ if k in state else "missing"
             return f"its state {k!r} ({kind}) has no layout the fused kernels read", executor, None
-        if x.scale != "block" and executor == "triton":
-            return (
-                f"its state {k!r} has {x.scale} scales, which the fused CPU step reads and the Triton kernels do not",
-                executor,
-                None,
-            )
     if len({x.block_size for x in layouts if x.quantized}) > 1:
         return "its states have different block sizes", executor, None
     return None, executor, layouts
@@ -292,6 +286,9 @@ class GroupPlan:
             torch.tensor([local(s[k]).rows for s in states], dtype=torch.int64) if layout.scale == "rank1" else None
             for k, layout in zip(self.rule.state_keys, self.layouts)
         )
+        self.rank1 = None  # the Triton kernels' tables for rank-1 scales (_plan_rank1)
+        if self.executor == "triton" and any(r is not None for r in self.rows):
+            self._plan_rank1(shards, states, device)
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -303,6 +300,40 @@ class GroupPlan:
         )
         self.bf16 = param_dtype == torch.bfloat16
         self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
+
+    def _plan_rank1(self, shards: list[Tensor], states: list[dict], device: torch.device) -> None:
+        """What the Triton kernels read for states with rank-1 scales: ``rank1`` (int64, a row per tensor: its
+        matrix's rows, then each state's new maxima's address, 0 for a blockwise state), ``maxima`` (one fp32
+        buffer of every new maximum, zeroed before each step's first pass), the first pass's program map, and the
+        copies that make the new maxima the states' own (``maxima_into`` from ``maxima_from``) after the step."""
+        from torchao_optim.kernels.triton_rank1 import stats_programs
+
+        per_state = [r.tolist() if r is not None else None for r in self.rows]
+        rows = next(r for r in per_state if r is not None)
+        for key, r in zip(self.rule.state_keys, per_state):
+            if r is not None and r != rows:  # (one format gives every state of a tensor the same rows)
+                raise ValueError(f"state {key!r} reads its tensors as {r} rows, another state as {rows}")
+        numels = [p.numel() for p in shards]
+        if 0 in rows:
+            raise ValueError("a tensor with rank-1 scales has no rows")
+        sizes = [r + n // r for r, n in zip(rows, numels)]
+        n_states = len(self.layouts)
+        self.maxima = torch.zeros(sum(sizes) * sum(r is not None for r in per_state), device=device)
+        table, self.maxima_into, self.maxima_from = [], [], []
+        at = 0
+        for t, (state, size) in enumerate(zip(states, sizes)):
+            entry = [rows[t]] + [0] * n_states
+            for k, key in enumerate(self.rule.state_keys):
+                if per_state[k] is not None:
+                    new = self.maxima[at : at + size]
+                    entry[1 + k] = new.data_ptr()
+                    self.maxima_into.append(getattr(local(state[key]), self.layouts[k].scales))
+                    self.maxima_from.append(new)
+                    at += size
+            table.append(entry)
+        self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
+        self.stats_tensor, self.stats_tile = (x.to(device) for x in stats_programs(numels, rows))
+        self.maxnreg = None  # the caps were measured on blockwise scales
 
     def use_counters(self, steps: Tensor, coefs: Tensor) -> None:
         """Hold the step counts in ``steps`` (each state's ``"step"`` then aliases its element, except on the CPU

@@ -97,6 +97,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
     if plan.n_programs == 0:
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     m_layout, v_layout = plan.layouts[:2]
+    rank1 = _rank1_stats(plan, update, option, maximize)
     if n_states == 3:  # the third state's tables and constants (with two, its tables are None: no argument at all)
         w_layout = plan.layouts[2]
         third = dict(
@@ -106,6 +107,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
             W_BITS=getattr(w_layout, "bits", 8),
             W_SIGNED=getattr(w_layout, "signed", True),
             W_FLAT=plan.flat[2],
+            W_RANK1=rank1[2],
         )
         tables = plan.tables
     else:
@@ -122,6 +124,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
         plan.steps,
         plan.round_info,
         *tables,
+        plan.rank1,
         PARAM_DTYPE=plan.param_dtype,
         GRAD_DTYPE=plan.grad_dtype,
         QBLOCK=plan.block,
@@ -143,11 +146,60 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
         M_FLAT=plan.flat[0],
         V_FLAT=plan.flat[1],
         PDL=plan.pdl,
+        M_RANK1=rank1[0],
+        V_RANK1=rank1[1],
         **third,
         num_warps=plan.num_warps,
         **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
         **({"launch_pdl": True} if plan.pdl else {}),
     )
+    _rank1_maxima(plan)
+
+
+def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[bool, ...]:
+    """Which states of the plan have rank-1 scales; where any has, the first pass
+    (``triton_rank1.rank1_stats_kernel``): their new maxima, into ``plan.maxima``."""
+    rank1 = tuple(r is not None for r in plan.rows) + (False,) * (3 - len(plan.rows))
+    if plan.rank1 is None:
+        return rank1
+    from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
+
+    plan.maxima.zero_()
+    n_states = len(plan.layouts)
+    decode = plan.tables[0::3] + (None,) * (3 - n_states)  # each state's decode table
+    flags = {}
+    for k, layout in enumerate(plan.layouts):
+        flags.update(
+            {f"S{k}_QUANT": layout.quantized, f"S{k}_BITS": getattr(layout, "bits", 8), f"S{k}_RANK1": rank1[k]}
+        )
+    rank1_stats_kernel[(len(plan.stats_tensor),)](
+        plan.ptrs,
+        plan.grad_ptrs,
+        plan.numels,
+        plan.coefs,
+        plan.rank1,
+        plan.stats_tensor,
+        plan.stats_tile,
+        *decode,
+        PARAM_DTYPE=plan.param_dtype,
+        GRAD_DTYPE=plan.grad_dtype,
+        QBLOCK=plan.block,
+        UPDATE=update,
+        OPTION=option,
+        MAXIMIZE=maximize,
+        PTX=not triton_interpreter(),
+        N_STATES=n_states,
+        N_COEFS=plan.rule.n_coefs,
+        **flags,
+        num_warps=4,
+    )
+    return rank1
+
+
+def _rank1_maxima(plan) -> None:
+    """The new maxima become the rank-1 states' own, once every tile has decoded with the old ones."""
+    if plan.rank1 is not None:
+        torch._foreach_copy_(plan.maxima_into, plan.maxima_from)
 
 
 def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
@@ -158,6 +210,7 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
     if plan.n_programs == 0:
         return  # every shard is empty (more ranks than rows): the steps advance, nothing else does
     (layout,) = plan.layouts
+    rank1 = _rank1_stats(plan, update, option, maximize)
     plan.compiled = momentum_kernel[(plan.n_programs,)](
         plan.ptrs,
         plan.grad_ptrs,
@@ -169,6 +222,7 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
         plan.steps,
         plan.round_info,
         *plan.tables,
+        plan.rank1,
         PARAM_DTYPE=plan.param_dtype,
         GRAD_DTYPE=plan.grad_dtype,
         QBLOCK=plan.block,
@@ -184,8 +238,10 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
         PTX=not triton_interpreter(),
         S_SIGNED=getattr(layout, "signed", True),
         S_FLAT=plan.flat[0],
+        S_RANK1=rank1[0],
         num_warps=plan.num_warps,
     )
+    _rank1_maxima(plan)
 
 
 def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:

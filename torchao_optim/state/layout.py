@@ -32,8 +32,7 @@ class StateLayout:
             row-major ``(rows, numel / rows)`` matrix of its ``rows`` attribute, ``rows`` row maxima then the column
             maxima of the absolute values, element ``(r, c)`` scaled by the smaller of its row's and its column's (the
             4-bit optimizers paper's rank-1 normalization). A format gives a rank-1 layout from ``fused_layout()``;
-            the fused C step reads it (the Triton kernels do not yet), ``block_size`` then being only the size of the
-            pieces it works in.
+            both fused executors read it, ``block_size`` then being only the size of the pieces they work in.
     """
 
     codes: str

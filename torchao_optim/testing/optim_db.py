@@ -660,19 +660,18 @@ def is_signed(key: str) -> bool:
     return key not in UNSIGNED_STATE_KEYS
 
 
-def _has_fused_layout(case: ConformanceCase, executor: str | None = None) -> bool:
-    """Whether every state the case's fused executor would plan has a ``StateLayout`` in its format that the executor
-    reads (the fused executor's input): ``executor`` ``"cpu"``, the fused C step, reads every kind of scales (rank-1
-    too); ``"fused"`` (the Triton kernels) and None, blockwise ones only. A format without one (factored statistics)
-    has no fused executor to conform to: its fused cases would only test the compiled path again."""
+def _has_fused_layout(case: ConformanceCase) -> bool:
+    """Whether every state the case's fused executors would plan has a ``StateLayout`` in its format (their input: the
+    fused C step and the Triton kernels read every kind of scales, ``StateLayout.scale``). A format without one
+    (factored statistics) has no fused executor to conform to: its fused cases would only test the compiled path
+    again."""
     if case.format_name == "none":
         return True
     fmt = get_state_format(case.format_name)
     for p in case.info.fused_params(case.params()):
         if case.quantized(p):
             for key in case.state_keys(p):
-                layout = fmt.zeros(p.shape, signed=is_signed(key)).fused_layout()
-                if layout is None or (executor != "cpu" and layout.scale != "block"):
+                if fmt.zeros(p.shape, signed=is_signed(key)).fused_layout() is None:
                     return False
     return True
 
@@ -711,7 +710,7 @@ def conformance_cases(
                     return made
 
                 first = case(executors[0])
-                fused = [e for e in ("fused", "cpu") if e in executors and _has_fused_layout(first, e)]
+                fused = [e for e in ("fused", "cpu") if e in executors and _has_fused_layout(first)]
                 if "fused" in executors and "fused" not in fused:
                     compile = True  # the Triton kernels cannot take the format: on CUDA the compiled path is its path
                 else:

@@ -1,0 +1,65 @@
+"""Rank-1 scales ("4bit_rank1") on the Triton kernels: the first pass's row and column maxima, the step's decode with
+the old ones and encode with the new, in every kernel (one, two and three states), equal the compiled path's codes
+and maxima bit for bit, at the edges: fewer columns than a tile, a row ending inside a tile, an all-zero row, a
+subnormal scale. In Triton's interpreter on a machine without CUDA (conftest.py); on CUDA, on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchao_optim import Adagrad8bit, AdamW
+from torchao_optim.optim.fused import fused_available
+from torchao_optim.state import QuantizedState
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    not fused_available(torch.device(DEVICE)), reason="needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)"
+)
+SHAPES = ((37, 5), (3, 1000), (64, 128), (2, 3, 40)) + (
+    ((300, 700),) if DEVICE == "cuda" else ()
+)  # many tiles on a GPU
+STEPS = 3
+KW = dict(state_format="4bit_rank1", min_quant_size=0)
+RULES = {
+    "adamw": (lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, **kw), 2),
+    "adamw-amsgrad-maximize": (lambda ps, **kw: AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, **kw), 3),
+    "adagrad": (lambda ps, **kw: Adagrad8bit(ps, lr=1e-2, **kw), 1),
+}
+
+
+def _train(make, fused):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
+    opt = make(params, fused=fused, compile=False, **KW)
+    for _ in range(STEPS):
+        for p in params:
+            g = torch.randn(p.shape, generator=gen)
+            rows = g.view(g.shape[0], -1)
+            rows[0] = 0.0  # an all-zero row: its maximum and scales 0
+            rows[1] *= 3e-20  # a second moment of order 1e-42: a subnormal scale (the 2**64 lift)
+            p.grad = g.to(DEVICE)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.parametrize("name", list(RULES))
+def test_rank1_scales_on_triton_equal_compiled_path(name):
+    make, n_states = RULES[name]
+    a, oa = _train(make, True)
+    b, ob = _train(make, False)
+    plans = oa._plans[id(oa.param_groups[0])]
+    assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"triton"}
+    assert {len(plan.layouts) for plan in plans["plans"]} == {n_states}
+    assert any(plan.rank1 is not None for plan in plans["plans"])
+    rank1 = 0
+    for p, q in zip(a, b):
+        # the fast reciprocal of Adam's Triton update (on a GPU) and contracted multiply-adds: a few ulps
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        for key, x in oa.state[p].items():
+            y = ob.state[q][key]
+            if isinstance(x, QuantizedState):
+                rank1 += bool(getattr(x, "rows", 0))
+                for field in x.__tensor_flatten__()[0]:
+                    assert torch.equal(getattr(x, field), getattr(y, field)), (key, field, tuple(p.shape))
+    assert rank1 >= len(SHAPES)

@@ -1,0 +1,172 @@
+"""The first pass of a plan whose states have rank-1 scales (``StateLayout.scale`` ``"rank1"``), on CUDA.
+
+A rank-1 scaled state is encoded with the row and column maxima of its new values over the whole matrix, so those
+maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update
+(the same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, stores
+nothing of it, and folds each rank-1 state's new magnitudes into the maxima: one atomic maximum per row and per
+column of a tile. The step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old
+maxima, encodes with these, and the plan copies them into the states last. Only what the rank-1 states' new values
+depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the gradient and
+its own codes).
+
+Elements are addressed one by one (row times ``cols`` plus column), each state decoded as ``triton_codec`` decodes
+it: a code's value times its scale, the same product the step kernel takes.
+This module imports Triton; import it only where Triton is available.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from torchao_optim.kernels.triton_adam import _load_row
+
+ROWS = 16  # a tile's rows and columns: one atomic maximum per row and per column of ROWS * COLS elements
+COLS = 128
+
+
+@triton.jit
+def _state_at(
+    codes,
+    scales,
+    values,
+    e,
+    r,
+    c,
+    rows,
+    mask,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    RANK1: tl.constexpr,
+):
+    """The fp32 values of one state at flat elements ``e`` (row ``r``, column ``c``): a code's value (8-bit: the
+    table's entry; 4-bit: the pair table's, by byte, low word for the low nibble) times its block's scale or its
+    rank-1 scale; a plain state's values as they are."""
+    if QUANT:
+        if BITS == 8:
+            code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + e, mask=mask, other=0).to(tl.int32)
+            x = tl.load(values + code)
+        else:
+            byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + (e >> 1), mask=mask, other=0).to(tl.int32)
+            pair = tl.load(values.to(tl.pointer_type(tl.int64)) + byte)
+            x = tl.where((e & 1) == 1, (pair >> 32).to(tl.int32), pair.to(tl.int32)).to(tl.float32, bitcast=True)
+        maxima = scales.to(tl.pointer_type(tl.float32))
+        if RANK1:
+            scale = tl.minimum(
+                tl.load(maxima + r, mask=mask, other=1.0), tl.load(maxima + rows + c, mask=mask, other=1.0)
+            )
+        else:
+            scale = tl.load(maxima + e // QBLOCK, mask=mask, other=1.0)
+        return x * scale
+    else:
+        return tl.load(codes.to(tl.pointer_type(tl.float32)) + e, mask=mask, other=0.0)
+
+
+@triton.jit
+def _fold(x, mask, new, rows, r, c, r_ok, c_ok):
+    """The maxima of ``where(isfinite(x), |x|, 0)`` over the tile's rows and columns, folded into ``new`` (fp32: the
+    row maxima, then the column maxima) as int32 patterns (non-negative floats order as their bits)."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
+    out = new.to(tl.pointer_type(tl.int32))
+    tl.atomic_max(out + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
+    tl.atomic_max(out + rows + c, tl.max(bits, axis=0), mask=c_ok, sem="relaxed")
+
+
+@triton.jit
+def rank1_stats_kernel(
+    ptrs,  # int64 (n_tensors, 1 + 2 * N_STATES): adam_kernel's (or momentum_kernel's) pointer table
+    grad_ptrs,  # int64 (n_tensors,)
+    numels,  # int64 (n_tensors,)
+    coefs,  # fp32 (n_tensors, N_COEFS): the rule's coefficient rows, already written
+    rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima (zeroed; 0: blockwise)
+    prog_tensor,  # int32 (n_programs,): which tensor each program reads
+    prog_tile,  # int32 (n_programs,): which of its tiles (row-major over tiles of ROWS x COLS)
+    s0_values,
+    s1_values,
+    s2_values,  # each state's decode table (kernels.tables.layout_tables; None past N_STATES)
+    PARAM_DTYPE: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    UPDATE: tl.constexpr,
+    OPTION: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PTX: tl.constexpr,
+    N_STATES: tl.constexpr,
+    N_COEFS: tl.constexpr,
+    S0_QUANT: tl.constexpr,
+    S0_BITS: tl.constexpr,
+    S0_RANK1: tl.constexpr,
+    S1_QUANT: tl.constexpr = False,
+    S1_BITS: tl.constexpr = 8,
+    S1_RANK1: tl.constexpr = False,
+    S2_QUANT: tl.constexpr = False,
+    S2_BITS: tl.constexpr = 8,
+    S2_RANK1: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    t = tl.load(prog_tensor + pid)
+    tile = tl.load(prog_tile + pid)
+    row = ptrs + t * (1 + 2 * N_STATES)
+    info = rank1 + t * (1 + N_STATES)
+    rows = tl.load(info)
+    cols = tl.load(numels + t) // rows
+    per_row = tl.cdiv(cols, COLS)
+    r = (tile // per_row).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
+    r_ok, c_ok = r < rows, c < cols
+    mask = r_ok[:, None] & c_ok[None, :]
+    e = r[:, None] * cols + c[None, :]
+    r2, c2 = r[:, None], c[None, :]
+    p = tl.load(tl.load(row).to(tl.pointer_type(PARAM_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    cf = _load_row(coefs + t * N_COEFS, N_COEFS)
+    s0 = _state_at(
+        tl.load(row + 1), tl.load(row + 2), s0_values, e, r2, c2, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_RANK1
+    )
+    if MAXIMIZE:
+        g = -g
+    if N_STATES == 1:
+        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    else:
+        s1 = _state_at(
+            tl.load(row + 3), tl.load(row + 4), s1_values, e, r2, c2, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_RANK1
+        )
+        if N_STATES == 2:
+            p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+        else:
+            s2 = _state_at(
+                tl.load(row + 5),
+                tl.load(row + 6),
+                s2_values,
+                e,
+                r2,
+                c2,
+                rows,
+                mask,
+                S2_QUANT,
+                S2_BITS,
+                QBLOCK,
+                S2_RANK1,
+            )
+            p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+            if S2_RANK1:
+                _fold(s2, mask, tl.load(info + 3), rows, r, c, r_ok, c_ok)
+        if S1_RANK1:
+            _fold(s1, mask, tl.load(info + 2), rows, r, c, r_ok, c_ok)
+    if S0_RANK1:
+        _fold(s0, mask, tl.load(info + 1), rows, r, c, r_ok, c_ok)
+
+
+def stats_programs(numels, rows) -> tuple:
+    """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
+    elements read as ``rows`` rows each (lists of ints): every tile of every matrix, one program each."""
+    import torch
+
+    tensors, tiles = [], []
+    for t, (n, r) in enumerate(zip(numels, rows)):
+        count = -(-r // ROWS) * -(-(n // r) // COLS)
+        tensors.append(torch.full((count,), t, dtype=torch.int32))
+        tiles.append(torch.arange(count, dtype=torch.int32))
+    return torch.cat(tensors), torch.cat(tiles)
