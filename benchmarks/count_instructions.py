@@ -46,11 +46,19 @@ def compile_kernel(kernel, signature: dict, constants: dict, arch: int = 90, num
 
 
 def compile_adam(
-    dtype: str, bits: int, block: int, arch: int, num_warps: int, maxnreg: str = "auto", rule_name: str = "adam"
+    dtype: str,
+    bits: int,
+    block: int,
+    arch: int,
+    num_warps: int,
+    maxnreg: str = "auto",
+    rule_name: str = "adam",
+    rank1: bool = False,
 ):
     """``adam_kernel`` compiled for a plan of ``rule_name``'s (a package rule of two or three states with a Triton
     update: its states' signs, its option set, a third state under ``N_STATES=3``), every state in ``bits``-bit codes
-    of the built-in format of that width, and the number of elements per thread of its loop."""
+    of the built-in format of that width, and the number of elements per thread of its loop. ``rank1``: its second
+    state with rank-1 scales (as ``"4bit_rank1"``'s ``exp_avg_sq``)."""
     import torch
     import triton.language as tl
 
@@ -90,6 +98,8 @@ def compile_adam(
     else:
         constants = dict(w_values=None, w_level1=None, w_level2=None)  # as a two-state launch passes them
     constants.update(
+        rank1=None,  # blockwise scales: as a launch without a rank-1 state passes it
+        V_RANK1=rank1,
         PARAM_DTYPE=param,
         GRAD_DTYPE=param,
         QBLOCK=block,
@@ -126,6 +136,10 @@ def compile_adam(
         cap = register_cap((layout, layout), param_bytes) if n_states == 2 else None
     else:
         cap = int(maxnreg)
+    if rank1:
+        signature["rank1"] = "*i64"
+        del constants["rank1"]
+        cap = None  # as the planner gives a plan with rank-1 scales
     compiled = compile_kernel(adam_kernel, signature, constants, arch, num_warps, cap)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 

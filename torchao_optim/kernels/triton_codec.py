@@ -318,11 +318,11 @@ def load_codes(
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
         raw = raw.to(tl.int32)
         if RANK1:
-            return raw, rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
-        scales = scales.to(tl.pointer_type(tl.float32))
-        if QBLOCK == BLOCK:
-            scale = tl.load(scales + blk, mask=n_valid > 0, other=0.0)
+            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
+        elif QBLOCK == BLOCK:
+            scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         else:
+            scales = scales.to(tl.pointer_type(tl.float32))
             row = tl.arange(0, BLOCK // QBLOCK)
             scale = tl.load(scales + blk * (BLOCK // QBLOCK) + row, mask=row * QBLOCK < n_valid, other=0.0)
         return raw, scale

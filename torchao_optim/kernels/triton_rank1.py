@@ -21,8 +21,9 @@ import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
 
-ROWS = 16  # a tile's rows and columns: one atomic maximum per row and per column of ROWS * COLS elements
-COLS = 128
+TILE_ROWS, TILE_COLS = 16, 128  # a tile's rows and columns: one atomic maximum per row and per column of a tile
+ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
+COLS: tl.constexpr = tl.constexpr(TILE_COLS)
 
 
 @triton.jit
@@ -166,7 +167,7 @@ def stats_programs(numels, rows) -> tuple:
 
     tensors, tiles = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // ROWS) * -(-(n // r) // COLS)
+        count = -(-r // TILE_ROWS) * -(-(n // r) // TILE_COLS)
         tensors.append(torch.full((count,), t, dtype=torch.int32))
         tiles.append(torch.arange(count, dtype=torch.int32))
     return torch.cat(tensors), torch.cat(tiles)
