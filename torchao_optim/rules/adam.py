@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
 
 if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
     import triton.language as tl
@@ -98,7 +98,9 @@ def adam_update(
         v = torch.maximum(max_exp_avg_sq, v)
         max_exp_avg_sq.copy_(v)
 
-    denom = v.sqrt() * inv_bc2 + eps
+    # With L2 weight decay the next gradient, so the states, depend on the parameter, so on this square root: taken
+    # correctly rounded (sqrt_rn), as the compiled path and the fused kernels take it, when this update runs eagerly
+    denom = (v.sqrt() if decoupled_weight_decay else sqrt_rn(v)) * inv_bc2 + eps
     p_new = p_decayed - step_size * (m / denom)
     store_param(param, torch.where(ok, p_new, p), round_key)
 
