@@ -188,7 +188,7 @@ compiled, _ = compile_adam(dtype, 4, 128, 90, 2, rank1=True)
 rule = next(r for r in BUILT_IN_RULES if r.name == "adam")
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "rank1": "*i64",
-             "prog_tensor": "*i32", "prog_tile": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
+             "prog_tensor": "*i32", "prog_strip": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
                  S0_RANK1=False, S1_QUANT=True, S1_BITS=4, S1_RANK1=True)

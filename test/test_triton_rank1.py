@@ -16,9 +16,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     not fused_available(torch.device(DEVICE)), reason="needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)"
 )
-SHAPES = ((37, 5), (3, 1000), (64, 128), (2, 3, 40)) + (
-    ((300, 700),) if DEVICE == "cuda" else ()
-)  # many tiles on a GPU
+# (300, 7): rows past one strip of the first pass (256), a strip ending inside a tile
+SHAPES = ((37, 5), (3, 1000), (64, 128), (2, 3, 40), (300, 7)) + (
+    ((600, 700),) if DEVICE == "cuda" else ()
+)  # many strips on a GPU
 STEPS = 3
 KW = dict(state_format="4bit_rank1", min_quant_size=0)
 RULES = {
@@ -61,5 +62,18 @@ def test_rank1_scales_on_triton_equal_compiled_path(name):
             if isinstance(x, QuantizedState):
                 rank1 += bool(getattr(x, "rows", 0))
                 for field in x.__tensor_flatten__()[0]:
-                    assert torch.equal(getattr(x, field), getattr(y, field)), (key, field, tuple(p.shape))
+                    _assert_field(getattr(x, field), getattr(y, field), (key, field, tuple(p.shape)))
     assert rank1 >= len(SHAPES)
+
+
+def _assert_field(a, b, where):
+    """In the interpreter, the kernels' fp32 operations are the compiled path's: every field bit for bit. On a GPU,
+    each side contracts multiply-adds its own way, so a state's new value may differ by an ulp: a maximum by a few
+    (rtol 1e-5), and a value within rounding of the midpoint between two codes may take either (at most 2% of the
+    code bytes differ; a wrong kernel differs in most)."""
+    if DEVICE == "cpu":
+        assert torch.equal(a, b), where
+    elif a.is_floating_point():
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0, msg=str(where))
+    else:
+        assert (a != b).float().mean().item() <= 0.02, where

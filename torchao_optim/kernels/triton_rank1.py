@@ -1,13 +1,14 @@
 """The first pass of a plan whose states have rank-1 scales (``StateLayout.scale`` ``"rank1"``), on CUDA.
 
 A rank-1 scaled state is encoded with the row and column maxima of its new values over the whole matrix, so those
-maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update
-(the same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, stores
-nothing of it, and folds each rank-1 state's new magnitudes into the maxima: one atomic maximum per row and per
-column of a tile. The step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old
-maxima, encodes with these, and the plan copies them into the states last. Only what the rank-1 states' new values
-depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the gradient and
-its own codes).
+maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update (the
+same ``UPDATE`` the step kernel inlines) on a matrix's strips of ``COLS`` columns, ``ROWS`` rows at a time down
+``STRIP`` tiles, stores nothing of it, and folds each rank-1 state's new magnitudes into the maxima: one atomic
+maximum per row of a tile, and one per column of a strip, whose maxima stay in registers down the strip (a tile's
+column atomics, one per tile, were the pass's bound: the same addresses from every tile of a column). The step
+kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old maxima, encodes with
+these, and the plan copies them into the states last. Only what the rank-1 states' new values depend on is read
+here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the gradient and its own codes).
 
 Elements are addressed one by one (row times ``cols`` plus column), each state decoded as ``triton_codec`` decodes
 it: a code's value times its scale, the same product the step kernel takes.
@@ -21,9 +22,12 @@ import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
 
-TILE_ROWS, TILE_COLS = 16, 128  # a tile's rows and columns: one atomic maximum per row and per column of a tile
+# A program reads a strip of STRIP_TILES tiles of TILE_ROWS rows by TILE_COLS columns, top to bottom: one atomic maximum
+# per row of a tile, one per column of the strip (a column's maximum is kept in registers down the strip)
+TILE_ROWS, TILE_COLS, STRIP_TILES = 16, 128, 16
 ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
 COLS: tl.constexpr = tl.constexpr(TILE_COLS)
+STRIP: tl.constexpr = tl.constexpr(STRIP_TILES)
 
 
 @triton.jit
@@ -65,14 +69,14 @@ def _state_at(
 
 
 @triton.jit
-def _fold(x, mask, new, rows, r, c, r_ok, c_ok):
-    """The maxima of ``where(isfinite(x), |x|, 0)`` over the tile's rows and columns, folded into ``new`` (fp32: the
-    row maxima, then the column maxima) as int32 patterns (non-negative floats order as their bits)."""
+def _fold(x, mask, new, r, r_ok, cols_max):
+    """Fold the maxima of ``where(isfinite(x), |x|, 0)`` over the tile's rows into ``new`` (fp32, the row maxima) as
+    int32 patterns (non-negative floats order as their bits), one atomic maximum per row; return ``cols_max`` (int32
+    patterns, the strip's column maxima so far) raised by the tile's columns."""
     bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
-    out = new.to(tl.pointer_type(tl.int32))
-    tl.atomic_max(out + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
-    tl.atomic_max(out + rows + c, tl.max(bits, axis=0), mask=c_ok, sem="relaxed")
+    tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
+    return tl.maximum(cols_max, tl.max(bits, axis=0))
 
 
 @triton.jit
@@ -83,7 +87,7 @@ def rank1_stats_kernel(
     coefs,  # fp32 (n_tensors, N_COEFS): the rule's coefficient rows, already written
     rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima (zeroed; 0: blockwise)
     prog_tensor,  # int32 (n_programs,): which tensor each program reads
-    prog_tile,  # int32 (n_programs,): which of its tiles (row-major over tiles of ROWS x COLS)
+    prog_strip,  # int32 (n_programs,): which of its strips (row-major over strips of STRIP * ROWS rows x COLS)
     s0_values,
     s1_values,
     s2_values,  # each state's decode table (kernels.tables.layout_tables; None past N_STATES)
@@ -108,66 +112,92 @@ def rank1_stats_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    tile = tl.load(prog_tile + pid)
+    strip = tl.load(prog_strip + pid)
     row = ptrs + t * (1 + 2 * N_STATES)
     info = rank1 + t * (1 + N_STATES)
     rows = tl.load(info)
     cols = tl.load(numels + t) // rows
     per_row = tl.cdiv(cols, COLS)
-    r = (tile // per_row).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
-    r_ok, c_ok = r < rows, c < cols
-    mask = r_ok[:, None] & c_ok[None, :]
-    e = r[:, None] * cols + c[None, :]
-    r2, c2 = r[:, None], c[None, :]
-    p = tl.load(tl.load(row).to(tl.pointer_type(PARAM_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    first = (strip // per_row).to(tl.int64) * (STRIP * ROWS)
+    c = (strip % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
+    c_ok = c < cols
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
-    s0 = _state_at(
-        tl.load(row + 1), tl.load(row + 2), s0_values, e, r2, c2, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_RANK1
-    )
-    if MAXIMIZE:
-        g = -g
-    if N_STATES == 1:
-        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
-    else:
-        s1 = _state_at(
-            tl.load(row + 3), tl.load(row + 4), s1_values, e, r2, c2, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_RANK1
+    param = tl.load(row).to(tl.pointer_type(PARAM_DTYPE))
+    grad = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    cols0 = tl.zeros([COLS], dtype=tl.int32)
+    cols1 = tl.zeros([COLS], dtype=tl.int32)
+    cols2 = tl.zeros([COLS], dtype=tl.int32)
+    for i in range(tl.minimum(STRIP, tl.cdiv(rows - first, ROWS))):
+        r = first + i * ROWS + tl.arange(0, ROWS)
+        r_ok = r < rows
+        mask = r_ok[:, None] & c_ok[None, :]
+        e = r[:, None] * cols + c[None, :]
+        r2, c2 = r[:, None], c[None, :]
+        p = tl.load(param + e, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(grad + e, mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        s0 = _state_at(
+            tl.load(row + 1), tl.load(row + 2), s0_values, e, r2, c2, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_RANK1
         )
-        if N_STATES == 2:
-            p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+        if N_STATES == 1:
+            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
         else:
-            s2 = _state_at(
-                tl.load(row + 5),
-                tl.load(row + 6),
-                s2_values,
+            s1 = _state_at(
+                tl.load(row + 3),
+                tl.load(row + 4),
+                s1_values,
                 e,
                 r2,
                 c2,
                 rows,
                 mask,
-                S2_QUANT,
-                S2_BITS,
+                S1_QUANT,
+                S1_BITS,
                 QBLOCK,
-                S2_RANK1,
+                S1_RANK1,
             )
-            p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-            if S2_RANK1:
-                _fold(s2, mask, tl.load(info + 3), rows, r, c, r_ok, c_ok)
-        if S1_RANK1:
-            _fold(s1, mask, tl.load(info + 2), rows, r, c, r_ok, c_ok)
+            if N_STATES == 2:
+                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+            else:
+                s2 = _state_at(
+                    tl.load(row + 5),
+                    tl.load(row + 6),
+                    s2_values,
+                    e,
+                    r2,
+                    c2,
+                    rows,
+                    mask,
+                    S2_QUANT,
+                    S2_BITS,
+                    QBLOCK,
+                    S2_RANK1,
+                )
+                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+                if S2_RANK1:
+                    cols2 = _fold(s2, mask, tl.load(info + 3), r, r_ok, cols2)
+            if S1_RANK1:
+                cols1 = _fold(s1, mask, tl.load(info + 2), r, r_ok, cols1)
+        if S0_RANK1:
+            cols0 = _fold(s0, mask, tl.load(info + 1), r, r_ok, cols0)
+    # the strip's column maxima: one atomic maximum per column and state
     if S0_RANK1:
-        _fold(s0, mask, tl.load(info + 1), rows, r, c, r_ok, c_ok)
+        tl.atomic_max(tl.load(info + 1).to(tl.pointer_type(tl.int32)) + rows + c, cols0, mask=c_ok, sem="relaxed")
+    if S1_RANK1:
+        tl.atomic_max(tl.load(info + 2).to(tl.pointer_type(tl.int32)) + rows + c, cols1, mask=c_ok, sem="relaxed")
+    if S2_RANK1:
+        tl.atomic_max(tl.load(info + 3).to(tl.pointer_type(tl.int32)) + rows + c, cols2, mask=c_ok, sem="relaxed")
 
 
 def stats_programs(numels, rows) -> tuple:
-    """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
-    elements read as ``rows`` rows each (lists of ints): every tile of every matrix, one program each."""
+    """``(prog_tensor, prog_strip)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
+    elements read as ``rows`` rows each (lists of ints): every strip of every matrix, one program each."""
     import torch
 
-    tensors, tiles = [], []
+    tensors, strips = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // TILE_ROWS) * -(-(n // r) // TILE_COLS)
+        count = -(-r // (TILE_ROWS * STRIP_TILES)) * -(-(n // r) // TILE_COLS)
         tensors.append(torch.full((count,), t, dtype=torch.int32))
-        tiles.append(torch.arange(count, dtype=torch.int32))
-    return torch.cat(tensors), torch.cat(tiles)
+        strips.append(torch.arange(count, dtype=torch.int32))
+    return torch.cat(tensors), torch.cat(strips)

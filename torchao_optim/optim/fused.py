@@ -332,7 +332,7 @@ class GroupPlan:
                     at += size
             table.append(entry)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        self.stats_tensor, self.stats_tile = (x.to(device) for x in stats_programs(numels, rows))
+        self.stats_tensor, self.stats_strip = (x.to(device) for x in stats_programs(numels, rows))
         self.maxnreg = None  # the caps were measured on blockwise scales
 
     def use_counters(self, steps: Tensor, coefs: Tensor) -> None:

@@ -179,7 +179,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[bool, ...]
         plan.coefs,
         plan.rank1,
         plan.stats_tensor,
-        plan.stats_tile,
+        plan.stats_strip,
         *decode,
         PARAM_DTYPE=plan.param_dtype,
         GRAD_DTYPE=plan.grad_dtype,
