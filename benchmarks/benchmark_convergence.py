@@ -79,6 +79,7 @@ from optimizers import lr_at, set_lr, state_nbytes  # noqa: E402,F401  (lr_at: p
 from stdlib_corpus import load_stdlib_corpus, package_root  # noqa: E402
 
 import torchao_optim  # noqa: E402
+from torchao_optim.optim.fused import SCALES_READ  # noqa: E402
 
 REFERENCE = "AdamW"
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -170,13 +171,14 @@ def training_flops(cfg: GPTConfig, tokens: int) -> float:
 # ---- optimizers: the table every benchmark shares (benchmarks/optimizers.py) ----------------------------
 
 
-def has_fused_layout(state_format: str) -> bool:
-    """Whether the fused executors (the C step on the CPU, the Triton kernels on CUDA) take a matrix's states in
-    ``state_format``: both its states describe themselves by a layout (any kind of scales). A format without one takes
-    the per-parameter compiled path, whose first step compiles (about a minute on a 2-core CPU)."""
+def has_fused_layout(state_format: str, executor: str = "cpu") -> bool:
+    """Whether a fused executor (``"cpu"``: the C step, the main job's; ``"triton"``: the Triton kernels, on CUDA) takes
+    a matrix's states in ``state_format``: both its states describe themselves by a layout with scales it reads
+    (``optim.fused.SCALES_READ``). A format without one takes the per-parameter compiled path, whose first step
+    compiles (about a minute on a 2-core CPU)."""
     fmt = torchao_optim.get_state_format(state_format)
     layouts = [fmt.zeros((256, 256), signed=s, device="meta").fused_layout() for s in (True, False)]
-    return all(x is not None for x in layouts)
+    return all(x is not None and x.scale in SCALES_READ[executor] for x in layouts)
 
 
 def default_optims(all_formats: bool = False) -> list[str]:

@@ -109,34 +109,49 @@ def test_adamw_equals_compiled_path(fmt, dtype):
     _assert_same_step(oa, ob, a, b)
 
 
+MATRIX_SCALE_RULES = {
+    "adamw": lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+    "adamw-amsgrad-maximize": lambda ps, **kw: AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, **kw),
+    "adagrad": lambda ps, **kw: Adagrad8bit(ps, lr=1e-2, lr_decay=0.01, initial_accumulator_value=0.1, **kw),
+}
+
+
+@pytest.mark.parametrize("rule", list(MATRIX_SCALE_RULES))
+@pytest.mark.parametrize("fmt", ["4bit_rank1", "factored", "factored4"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_rank1_scales_at_their_edges_equal_compiled_path(threads, monkeypatch):
-    """ "4bit_rank1"'s rank-1 scales on the C step, whose first pass finds the new row and column maxima: the compiled
-    path's codes and maxima bit for bit where a block holds pieces of several rows (fewer columns than a block, or
-    a row ending inside a block), where a row is all zero, where a row's scale is subnormal (the 2**64 lift), and
-    on one thread or two (each thread's maxima merged)."""
+def test_matrix_scales_at_their_edges_equal_compiled_path(threads, fmt, rule, monkeypatch):
+    """Scales over a whole matrix on the C step: "4bit_rank1"'s rank-1 scales (the step finds the new row and column
+    maxima) and the factored formats' row and column means (fp64 sums, folded range by range). The compiled path's
+    codes, maxima and means bit for bit, for one, two and three states (Adagrad's sum, Adam's, amsgrad's maximum),
+    where a block holds pieces of several rows (fewer columns than a block, or a row ending inside a block), where a
+    row is all zero, where a row's values are subnormal (rank-1: the 2**64 lift), where a gradient element is NaN or
+    infinite (skipped), and on one thread or two (each thread's maxima or sums merged in order)."""
     shapes = ((37, 5), (3, 1000), (64, 128), (2, 3, 40))
     gen = torch.Generator().manual_seed(0)
     init = [torch.randn(s, generator=gen) for s in shapes]
     a, b = ([torch.nn.Parameter(t.clone()) for t in init] for _ in range(2))
-    kw = dict(lr=1e-2, weight_decay=0.1, state_format="4bit_rank1", min_quant_size=0)
-    oa, ob = AdamW(a, **kw), AdamW(b, fused=False, compile=False, **kw)
+    make = MATRIX_SCALE_RULES[rule]
+    kw = dict(state_format=fmt, min_quant_size=0)
+    oa, ob = make(a, **kw), make(b, fused=False, compile=False, **kw)
     monkeypatch.setattr(launch, "MIN_BLOCKS_PER_THREAD", 1)  # two threads for this small plan too
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        for _ in range(STEPS):
+        for step in range(STEPS):
             for pa, pb in zip(a, b):
                 g = torch.randn(pa.shape, generator=gen)
                 rows = g.view(g.shape[0], -1)
-                rows[0] = 0.0  # an all-zero row: its maximum and scales 0
-                rows[1] *= 3e-20  # exp_avg_sq of order 1e-42: a subnormal scale
+                rows[0] = 0.0  # an all-zero row: its maximum (or mean) and scales 0
+                rows[1] *= 3e-20  # a second moment of order 1e-42: subnormal
+                if step == 2:
+                    rows[-1, -1], rows[-1, 0] = float("nan"), float("inf")
                 pa.grad, pb.grad = g.clone(), g.clone()
             oa.step()
             ob.step()
     finally:
         torch.set_num_threads(before)
-    assert all(oa.state[p]["exp_avg_sq"].rows for p in a)
+    plans = oa._plans[id(oa.param_groups[0])]["plans"]
+    assert all(any(r is not None for r in plan.rows) for plan in plans)
     _assert_same_step(oa, ob, a, b)
 
 

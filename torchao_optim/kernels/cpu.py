@@ -69,6 +69,12 @@ GATHER = ["-mtune-ctrl=use_gather_2parts,use_gather_4parts,use_gather"]
 CPU_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 MAX_STATES = 3  # a rule's states the C step carries at most (cpu_step.c's MAX_STATES)
 KINDS = {32: 0, 4: 4, 8: 8}  # a state's kind in cpu_step.c by its layout's bits: plain fp32, or codes of 4 or 8 bits
+FACTORED = 1  # the kind of a factored state (StateLayout.scale "factored": row and column means, no codes)
+
+
+def state_kind(layout) -> int:
+    """A state's kind in cpu_step.c: factored, or by its layout's bits."""
+    return FACTORED if layout.scale == "factored" else KINDS[layout.bits]
 
 
 def _compiler() -> str | None:

@@ -5,7 +5,8 @@
  * rows, the same codebook and O(1) encoder tables (quant/codec.py), so it stores the codes the compiled path
  * stores for the same values. It knows no format: a state is plain fp32 (kind 0) or codes of 8 or 4 bits
  * (kind 8, kind 4: two per byte, element 2i in the low nibble) in blocks with one fp32 absmax each, or with rank-1
- * scales (a matrix's row and column maxima, StateLayout.scale "rank1": below, "rank-1 scales"). A rule
+ * scales (a matrix's row and column maxima, StateLayout.scale "rank1": below, "rank-1 scales"), or no codes at all:
+ * a factored state (kind 1, StateLayout.scale "factored": a matrix's row and column means, below). A rule
  * carries one, two or three states (as the Triton kernels do: triton_momentum.py one, triton_adam.py two or three).
  *
  * Each quantization block is worked in passes over small buffers that stay in L1: decode the states (and
@@ -42,7 +43,7 @@
 /* each loop in a function of its own: inlined, its restrict-qualified pointers would stop meaning anything */
 #define NOINLINE __attribute__((noinline))
 
-enum { PLAIN = 0, CODES4 = 4, CODES8 = 8 };
+enum { PLAIN = 0, FACTORED = 1, CODES4 = 4, CODES8 = 8 };
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 /* fp16 parameters need the compiler's _Float16 (GCC 12, recent Clang); without it kernels/cpu.py leaves them to
    the compiled path */
@@ -439,12 +440,16 @@ typedef struct {
     Encoder encoders[MAX_STATES]; /* per state: codec.flat_keyed's table, or codec.BucketTables' level1_by_bits and
                                      level2_with_bounds */
     Decoder8 decoders[MAX_STATES]; /* per 8-bit state: its codebook as byte planes */
-    /* rank-1 scales (StateLayout.scale "rank1"): per state, each tensor's rows of its (rows, numel / rows) matrix, or
-       NULL (blockwise: one absmax per block); where a tensor has rows, its scales are rows row maxima then numel / rows
-       column maxima, and the step's new maxima start at stat_offset[k * n_tensors + t] in the array `maxima` */
+    /* rank-1 scales (StateLayout.scale "rank1") and factored states: per state, each tensor's rows of its
+       (rows, numel / rows) matrix, or NULL (blockwise: one absmax per block). Where a tensor has rows, a rank-1 state's
+       scales are rows row maxima then numel / rows column maxima, and the step's new maxima start at
+       stat_offset[k * n_tensors + t] in the array `maxima`; a factored state's pointers are its column means (in
+       place of codes) and its row means (in place of scales), and its new sums start there in each range's sums. */
     const int64_t *rows[MAX_STATES];
     int64_t *stat_offset;
     uint32_t *maxima; /* the new maxima, fp32 patterns (non-negative: they order as integers) */
+    float *columns;   /* factored states: each one's column means over their mean (col_offset[k * n_tensors + t]) */
+    int64_t *col_offset;
 } Job;
 
 /* ---- the update rules ---------------------------------------------------------------------------------
@@ -474,9 +479,11 @@ int torchao_optim_cpu_rule_coefs(int rule) { return rule >= 0 && rule < N_RULES 
    maxima are stored last, once no block will decode with the old ones. */
 static inline int64_t rank1_rows(const Job *job, int k, int64_t t) { return job->rows[k] ? job->rows[k][t] : 0; }
 
+static inline int is_factored(const Job *job, int k) { return job->kinds[k] == FACTORED; }
+
 static int has_rank1(const Job *job, int64_t t) {
     for (int k = 0; k < job->n_states; k++)
-        if (rank1_rows(job, k, t)) return 1;
+        if (rank1_rows(job, k, t) && !is_factored(job, k)) return 1;
     return 0;
 }
 
@@ -552,11 +559,62 @@ static void fold_maxima(const float *restrict x, int64_t start, int n, int64_t r
     }
 }
 
+/* ---- factored states ----------------------------------------------------------------------------------
+   A factored state (state/factored.py) of a (rows, cols) matrix holds only its row means r and column means c:
+   element (i, j) is r[i] * (c[j] / mean(c)), mean(c) the fp64 sum of c over cols rounded to fp32 (0 where it is 0),
+   as FactoredState.dequantize computes it; the step makes the columns c[j] / mean(c) once per tensor (Job.columns).
+   It writes no codes: its new means are those of the whole matrix's new values (non-finite and negative ones as 0),
+   summed in fp64 as each block's update runs (each range its own sums, added in range order after the step) and
+   divided by cols or rows once, as FactoredState.quantize_fields takes them; they are stored last. */
+
+/* the columns of a factored matrix over their mean, into out (cols floats) */
+static void normalize_columns(const float *restrict col_mean, int64_t cols, float *restrict out) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < cols; j++) sum += (double)col_mean[j];
+    float mean = (float)(sum / (double)cols);
+    for (int64_t j = 0; j < cols; j++) out[j] = mean > 0.0f ? col_mean[j] / mean : 0.0f;
+}
+
+NOINLINE static void product_piece(float *restrict x, int64_t len, float row, const float *restrict col) {
+    for (int64_t i = 0; i < len; i++) x[i] = row * col[i];
+}
+
+/* the decode of a factored state: r[i] * columns[j] */
+static void decode_factored(float *restrict dst, int64_t scales, int64_t start, int n, int64_t cols,
+                            const float *restrict columns) {
+    const float *row_mean = (const float *)scales;
+    for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
+        len = piece_length(n - i, cols, c);
+        product_piece(dst + i, len, row_mean[r], columns + c);
+    }
+}
+
+/* where(isfinite(x) & x > 0, x, 0) in fp64, summed into a row's sum and its columns' */
+NOINLINE static void sum_piece(const float *restrict x, int64_t len, double *restrict row_sum,
+                               double *restrict col_sum) {
+    double total = 0.0;
+    for (int64_t i = 0; i < len; i++) {
+        float v = x[i];
+        double d = v > 0.0f && v <= 3.40282347e38f ? (double)v : 0.0; /* NaN and +inf compare false */
+        total += d;
+        col_sum[i] += d;
+    }
+    *row_sum += total;
+}
+
+/* the new values' sums into this range's (out: rows row sums, then the column sums) */
+static void fold_sums(const float *restrict x, int64_t start, int n, int64_t rows, int64_t cols, double *out) {
+    for (int64_t r = start / cols, c = start % cols, i = 0, len; i < n; i += len, r++, c = 0) {
+        len = piece_length(n - i, cols, c);
+        sum_piece(x + i, len, out + r, out + rows + c);
+    }
+}
+
 /* ---- one block of one tensor, and a range of blocks --------------------------------------------------- */
 /* The block's step; with `stats` (the first pass of a plan with rank-1 scales), the update on copies of the parameter
    and states, whose rank-1 states' new maxima are folded into this thread's `stats`, storing nothing. */
 static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G, float *S0, float *S1, float *S2,
-                      uint32_t *stats) {
+                      uint32_t *stats, double *sums) {
     const int64_t *row = job->ptrs + t * (1 + 2 * job->n_states);
     int64_t start = blk * job->block, left = job->numels[t] - start;
     int n = left < job->block ? (int)left : job->block;
@@ -569,7 +627,10 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     if (!direct_g) load_floats(G, (const void *)job->grad_ptrs[t], start, n, job->grad_dtype, job->maximize);
     for (int k = 0; k < job->n_states; k++) {
         int64_t rows = rank1_rows(job, k, t);
-        if (rows)
+        if (rows && is_factored(job, k))
+            decode_factored(S[k], row[2 + 2 * k], start, n, job->numels[t] / rows,
+                            job->columns + job->col_offset[k * job->n_tensors + t]);
+        else if (rows)
             decode_rank1(S[k], row[1 + 2 * k], row[2 + 2 * k], start, n, rows, job->numels[t] / rows, job->kinds[k],
                          job->values[k], &job->decoders[k]);
         else
@@ -581,7 +642,7 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     if (stats) {
         for (int k = 0; k < job->n_states; k++) {
             int64_t rows = rank1_rows(job, k, t);
-            if (rows)
+            if (rows && !is_factored(job, k))
                 fold_maxima(S[k], start, n, rows, job->numels[t] / rows,
                             stats + job->stat_offset[k * job->n_tensors + t]);
         }
@@ -598,7 +659,9 @@ static void run_block(const Job *job, int64_t t, int64_t blk, float *P, float *G
     }
     for (int k = 0; k < job->n_states; k++) {
         int64_t rows = rank1_rows(job, k, t);
-        if (rows)
+        if (rows && is_factored(job, k))
+            fold_sums(S[k], start, n, rows, job->numels[t] / rows, sums + job->stat_offset[k * job->n_tensors + t]);
+        else if (rows)
             encode_rank1(S[k], row[1 + 2 * k], start, n, rows, job->numels[t] / rows,
                          job->maxima + job->stat_offset[k * job->n_tensors + t], job->kinds[k], &job->encoders[k]);
         else
@@ -610,6 +673,7 @@ typedef struct {
     const Job *job;
     int64_t lo, hi;  /* global block indexes */
     uint32_t *stats; /* the first pass of a plan with rank-1 scales: this range's maxima; else NULL */
+    double *sums;    /* the step of a plan with factored states: this range's sums of their new values */
 } Range;
 
 static void *run_range(void *arg) {
@@ -621,7 +685,7 @@ static void *run_range(void *arg) {
     for (int64_t b = r->lo; b < r->hi; b++) {
         while (job->first_block[t + 1] <= b) t++;
         if (r->stats && !has_rank1(job, t)) continue; /* the first pass: only tensors with rank-1 scales */
-        run_block(job, t, b - job->first_block[t], P, G, S0, S1, S2, r->stats);
+        run_block(job, t, b - job->first_block[t], P, G, S0, S1, S2, r->stats, r->sums);
     }
     return NULL;
 }
@@ -704,19 +768,43 @@ int torchao_optim_cpu_step(
         if (quantized && job.kinds[k] == CODES8) make_decoder(&job.decoders[k], job.values[k]);
     }
     const int64_t *rows[MAX_STATES] = {rows0, rows1, rows2};
-    int64_t n_stats = 0; /* the maxima of every tensor with rank-1 scales, rows then columns each */
+    /* rank-1 states: the maxima of every such tensor, rows then columns each; factored ones: their sums, so, and their
+       normalized columns */
+    int64_t n_stats = 0, n_sums = 0, n_columns = 0;
+    int status = 0;
+    uint32_t *stats = NULL;
+    double *sums = NULL;
     for (int k = 0; k < n_states; k++) job.rows[k] = rows[k];
     if (rows0 || rows1 || rows2) {
         job.stat_offset = (int64_t *)malloc((size_t)(n_states * n_tensors) * sizeof(int64_t));
-        if (!job.stat_offset) {
-            free(first_block);
-            return -2;
+        job.col_offset = (int64_t *)malloc((size_t)(n_states * n_tensors) * sizeof(int64_t));
+        if (!job.stat_offset || !job.col_offset) {
+            status = -2;
+            goto done;
         }
         for (int k = 0; k < n_states; k++)
             for (int64_t t = 0; t < n_tensors; t++) {
+                int64_t r = rank1_rows(&job, k, t), size = r ? r + numels[t] / r : 0, *n = &n_stats;
+                if (is_factored(&job, k)) {
+                    n = &n_sums;
+                    job.col_offset[k * n_tensors + t] = n_columns;
+                    n_columns += size - r;
+                }
+                job.stat_offset[k * n_tensors + t] = r ? *n : -1;
+                *n += size;
+            }
+    }
+    if (n_columns) {
+        job.columns = (float *)malloc((size_t)n_columns * sizeof(float));
+        if (!job.columns) {
+            status = -2;
+            goto done;
+        }
+        for (int k = 0; k < n_states; k++)
+            for (int64_t t = 0; t < n_tensors && is_factored(&job, k); t++) {
                 int64_t r = rank1_rows(&job, k, t);
-                job.stat_offset[k * n_tensors + t] = r ? n_stats : -1;
-                n_stats += r ? r + numels[t] / r : 0;
+                normalize_columns((const float *)ptrs[t * (1 + 2 * n_states) + 1 + 2 * k], numels[t] / r,
+                                  job.columns + job.col_offset[k * n_tensors + t]);
             }
     }
     int64_t useful = min_blocks_per_thread > 0 ? total / min_blocks_per_thread : total;
@@ -724,19 +812,25 @@ int torchao_optim_cpu_step(
     if (threads > useful) threads = useful < 1 ? 1 : (int)useful;
     if (threads > 256) threads = 256;
     Range ranges[256];
+    if (n_sums) { /* each range's sums, then their sums in range order */
+        sums = (double *)calloc((size_t)((threads + 1) * n_sums), sizeof(double));
+        if (!sums) {
+            status = -2;
+            goto done;
+        }
+    }
     for (int k = 0; k < threads; k++) {
         ranges[k].job = &job;
         ranges[k].lo = total * k / threads;
         ranges[k].hi = total * (k + 1) / threads;
         ranges[k].stats = NULL;
+        ranges[k].sums = sums ? sums + (k + 1) * n_sums : NULL;
     }
-    uint32_t *stats = NULL;
     if (n_stats) { /* the first pass: each range's maxima, then their maxima */
         stats = (uint32_t *)calloc((size_t)((threads + 1) * n_stats), sizeof(uint32_t));
         if (!stats) {
-            free(job.stat_offset);
-            free(first_block);
-            return -2;
+            status = -2;
+            goto done;
         }
         for (int k = 0; k < threads; k++) ranges[k].stats = stats + (k + 1) * n_stats;
         run_ranges(ranges, threads, total);
@@ -748,19 +842,31 @@ int torchao_optim_cpu_step(
         job.maxima = stats;
     }
     run_ranges(ranges, threads, total);
-    if (n_stats) { /* every block has decoded with the old maxima: the new ones are the states' scales now */
-        for (int k = 0; k < n_states; k++)
-            for (int64_t t = 0; t < n_tensors; t++) {
-                int64_t r = rank1_rows(&job, k, t);
-                if (r)
-                    memcpy((void *)ptrs[t * (1 + 2 * n_states) + 2 + 2 * k], stats + job.stat_offset[k * n_tensors + t],
-                           (size_t)(r + numels[t] / r) * 4);
+    for (int k = 0; k < threads && n_sums; k++)
+        for (int64_t i = 0; i < n_sums; i++) sums[i] += ranges[k].sums[i];
+    /* every block has decoded with the old maxima and means: the new ones are the states' now */
+    for (int k = 0; k < n_states && (n_stats || n_sums); k++)
+        for (int64_t t = 0; t < n_tensors; t++) {
+            int64_t r = rank1_rows(&job, k, t), cols = r ? numels[t] / r : 0;
+            const int64_t *row = ptrs + t * (1 + 2 * n_states);
+            if (!r) continue;
+            if (is_factored(&job, k)) { /* the row sums over cols and the column sums over rows, as fp32 means */
+                const double *sum = sums + job.stat_offset[k * n_tensors + t];
+                float *row_mean = (float *)row[2 + 2 * k], *col_mean = (float *)row[1 + 2 * k];
+                for (int64_t i = 0; i < r; i++) row_mean[i] = (float)(sum[i] / (double)cols);
+                for (int64_t j = 0; j < cols; j++) col_mean[j] = (float)(sum[r + j] / (double)r);
+            } else {
+                memcpy((void *)row[2 + 2 * k], stats + job.stat_offset[k * n_tensors + t], (size_t)(r + cols) * 4);
             }
-    }
+        }
+done:
+    free(sums);
     free(stats);
+    free(job.columns);
+    free(job.col_offset);
     free(job.stat_offset);
     free(first_block);
-    return 0;
+    return status;
 }
 
 /* codec.encode over n values (fp32 in [-1, 1], no NaN) through this file's encoders: for testing them. flat_shift > 0:

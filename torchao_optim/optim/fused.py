@@ -69,6 +69,8 @@ MIN_PROGRAMS: int | None = None
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
 TAIL_TILES: int | None = None
 TAIL_TILES_PER_SM = 32
+# The scale kinds (StateLayout.scale) each fused executor reads: the Triton kernels not yet factored statistics
+SCALES_READ = {"cpu": ("block", "rank1", "factored"), "triton": ("block", "rank1")}
 
 
 @functools.cache
@@ -195,6 +197,9 @@ def _refusal(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter
             return f"its state {k!r} ({kind}) has no layout the fused kernels read", executor, None
     if len({x.block_size for x in layouts if x.quantized}) > 1:
         return "its states have different block sizes", executor, None
+    for k, x in zip(rule.state_keys, layouts):
+        if x.scale not in SCALES_READ[executor]:
+            return f"its state {k!r} has {x.scale} scales, which the {executor} kernels do not read", executor, None
     return None, executor, layouts
 
 
@@ -280,10 +285,10 @@ class GroupPlan:
         self.coefs_for: tuple[Tensor, Tensor] | None = (self.steps, self.coefs)
         self.tables = sum((layout_tables(layout, device, self.executor) for layout in self.layouts), ())
         self.flat = tuple(flat_shift(layout, self.executor) for layout in self.layouts)  # the tables' encoder form
-        # per state with rank-1 scales (StateLayout.scale): each tensor's rows (int64, on the CPU: the C step reads
-        # them); None for blockwise scales
+        # per state with rank-1 scales or factored (StateLayout.scale): each tensor's rows (int64, on the CPU: the C
+        # step reads them); None for blockwise scales
         self.rows = tuple(
-            torch.tensor([local(s[k]).rows for s in states], dtype=torch.int64) if layout.scale == "rank1" else None
+            torch.tensor([local(s[k]).rows for s in states], dtype=torch.int64) if layout.scale != "block" else None
             for k, layout in zip(self.rule.state_keys, self.layouts)
         )
         self.rank1 = None  # the Triton kernels' tables for rank-1 scales (_plan_rank1)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
-from torchao_optim.kernels.cpu import CPU_DTYPES, KINDS, MAX_STATES, cpu_rule
+from torchao_optim.kernels.cpu import CPU_DTYPES, MAX_STATES, cpu_rule, state_kind
 from torchao_optim.state.layout import PLAIN_FP32
 
 __all__ = ["run"]
@@ -253,16 +253,16 @@ def _run_cpu(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic
     torch._foreach_add_(steps, 1)
     plan.steps = torch.stack(steps).to(torch.float32)
     plan.coefs.copy_(rule.coefficients(plan.steps, hyperparams, option))
-    # per state slot: decode table, level1, level2, kind, encoder form, rows of rank-1 scales (a slot the rule does not
-    # use: NULLs)
+    # per state slot: decode table, level1, level2, kind, encoder form, rows of rank-1 scales or of a factored state (a
+    # slot the rule does not use: NULLs)
     args = []
     for k in range(MAX_STATES):
         if k < len(plan.layouts):
             layout, rows = plan.layouts[k], plan.rows[k]
             args += [t.data_ptr() for t in plan.tables[3 * k : 3 * k + 3]]
-            args += [KINDS[layout.bits], plan.flat[k], None if rows is None else rows.data_ptr()]
+            args += [state_kind(layout), plan.flat[k], None if rows is None else rows.data_ptr()]
         else:
-            args += [None, None, None, KINDS[PLAIN_FP32.bits], 0, None]
+            args += [None, None, None, state_kind(PLAIN_FP32), 0, None]
     status = lib.torchao_optim_cpu_step(
         len(plan.params),
         plan.ptrs.data_ptr(),

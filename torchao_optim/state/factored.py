@@ -85,6 +85,14 @@ class FactoredState(RowScaled, CodebookState):
     # Rows of a larger state (a slice, for DCP's resharding): ``row_mean`` a view of some of its rows', ``col_mean``
     # its own (the whole tensor's), which requantizing these rows alone would overwrite with theirs
     _row_slice: bool = False
+    # the fused kernels read a factored state's means (StateLayout.scale "factored"): the column means where a
+    # blockwise state's codes are, the row means where its scales are
+    fused_scale = "factored"
+    fused_fields = {"codes": "col_mean", "scales": "row_mean"}
+
+    def fused_layout(self) -> StateLayout | None:
+        # a slice of rows cannot be written on its own (assign)
+        return None if self._row_slice and self.rows else super().fused_layout()
 
     @classmethod
     def data_fields(cls) -> tuple[str, ...]:
@@ -171,7 +179,8 @@ class FactoredState(RowScaled, CodebookState):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         if not self.rows:
             return super().dequantize(dtype)
-        mean = self.col_mean.mean()  # of every element
+        # of every element: the fp64 sum over the columns, rounded once (as the fused kernels take it)
+        mean = (self.col_mean.double().sum() / self.col_mean.numel()).float()
         col = torch.where(mean > 0, self.col_mean / mean, 0.0)  # an all-zero state: zeros
         return (self.row_mean[:, None] * col[None, :]).view(-1).view(self.shape).to(dtype or self.dtype)
 

@@ -12,7 +12,7 @@ from typing import ClassVar
 
 __all__ = ["PLAIN_FP32", "SCALE_KINDS", "PlainLayout", "StateLayout"]
 
-SCALE_KINDS = ("block", "rank1")  # what a StateLayout's scales hold (StateLayout.scale)
+SCALE_KINDS = ("block", "rank1", "factored")  # what a StateLayout's scales hold (StateLayout.scale)
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,12 @@ class StateLayout:
         scale (str): what ``scales`` holds. ``"block"``: one absmax per block. ``"rank1"``: the tensor read as the
             row-major ``(rows, numel / rows)`` matrix of its ``rows`` attribute, ``rows`` row maxima then the column
             maxima of the absolute values, element ``(r, c)`` scaled by the smaller of its row's and its column's (the
-            4-bit optimizers paper's rank-1 normalization). A format gives a rank-1 layout from ``fused_layout()``;
-            both fused executors read it, ``block_size`` then being only the size of the pieces they work in.
+            4-bit optimizers paper's rank-1 normalization). ``"factored"``: no codes; the tensor read as the matrix of
+            its ``rows`` attribute is the rank-1 matrix of its row means (``scales``, fp32, ``rows``) and column means
+            (``codes``, fp32, ``numel / rows``), element ``(r, c)`` being ``row[r] * (col[c] / mean(col))``
+            (Adafactor's factored second moment, ``state/factored.py``); the codebook is then unused. A format gives
+            these layouts from ``fused_layout()``; both fused executors read them, ``block_size`` then being only the
+            size of the pieces they work in.
     """
 
     codes: str

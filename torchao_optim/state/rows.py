@@ -107,6 +107,8 @@ class RowScaled:
 
     # the StateLayout.scale of a state with rows, for the fused kernels that read it (fused_layout); None: none do
     fused_scale: ClassVar[str | None] = None
+    # the fields that layout names in place of the base format's (its "codes" and "scales")
+    fused_fields: ClassVar[dict[str, str]] = {}
 
     def fast_path_layout(self) -> StateLayout | None:
         # scales per row and column are no blockwise absmax
@@ -117,7 +119,7 @@ class RowScaled:
             return self.fast_path_layout()
         if self.fused_scale is None:
             return None
-        return dataclasses.replace(self.layout_of(self.attrs()), scale=self.fused_scale)
+        return dataclasses.replace(self.layout_of(self.attrs()), scale=self.fused_scale, **self.fused_fields)
 
 
 def rows_per_dim0(state) -> int:

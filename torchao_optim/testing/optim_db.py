@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from torchao_optim.optim import Adagrad8bit, Adam, AdamW, AdEMAMix8bit, Lion8bit, Muon8bit, RMSprop8bit, SGD8bit
+from torchao_optim.optim.fused import SCALES_READ
 from torchao_optim.optim.quantize_state import UNSIGNED_STATE_KEYS, quantize_optimizer_state
 from torchao_optim.state import QuantizedState, get_state_format
 from torchao_optim.testing.compare import Failures
@@ -660,18 +661,19 @@ def is_signed(key: str) -> bool:
     return key not in UNSIGNED_STATE_KEYS
 
 
-def _has_fused_layout(case: ConformanceCase) -> bool:
-    """Whether every state the case's fused executors would plan has a ``StateLayout`` in its format (their input: the
-    fused C step and the Triton kernels read every kind of scales, ``StateLayout.scale``). A format without one
-    (factored statistics) has no fused executor to conform to: its fused cases would only test the compiled path
-    again."""
+def _has_fused_layout(case: ConformanceCase, executor: str = "cpu") -> bool:
+    """Whether every state the case's ``executor`` (``"cpu"``: the fused C step; ``"fused"``: the Triton kernels) would
+    plan has a ``StateLayout`` in its format, with scales that executor reads (``optim.fused.SCALES_READ``). A format
+    without one has no fused executor to conform to: its fused cases would only test the compiled path again."""
     if case.format_name == "none":
         return True
     fmt = get_state_format(case.format_name)
+    reads = SCALES_READ["cpu" if executor == "cpu" else "triton"]
     for p in case.info.fused_params(case.params()):
         if case.quantized(p):
             for key in case.state_keys(p):
-                if fmt.zeros(p.shape, signed=is_signed(key)).fused_layout() is None:
+                layout = fmt.zeros(p.shape, signed=is_signed(key)).fused_layout()
+                if layout is None or layout.scale not in reads:
                     return False
     return True
 
@@ -710,7 +712,7 @@ def conformance_cases(
                     return made
 
                 first = case(executors[0])
-                fused = [e for e in ("fused", "cpu") if e in executors and _has_fused_layout(first)]
+                fused = [e for e in ("fused", "cpu") if e in executors and _has_fused_layout(first, e)]
                 if "fused" in executors and "fused" not in fused:
                     compile = True  # the Triton kernels cannot take the format: on CUDA the compiled path is its path
                 else:
