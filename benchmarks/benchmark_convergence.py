@@ -493,7 +493,10 @@ def targets(summary: dict[str, dict], rule: str) -> dict[str, dict]:
         mean = s["mean"]
         has_ref = ref is not None and ref["mean"] is not None
         ref_seeds = len(ref["seeds"]) if has_ref else 0
-        ref_mean = ref["mean"] if rule == "seed_range" or not has_ref else reference_mean_on(summary, s["seeds"])
+        if not has_ref:
+            ref_mean = None
+        else:
+            ref_mean = ref["mean"] if rule == "seed_range" else reference_mean_on(summary, s["seeds"])
         relative = (mean - ref_mean) / ref_mean if ref_mean is not None and mean is not None else None
         in_range = below_peer = None
         if relative is not None and ref_seeds >= 2:

@@ -323,6 +323,16 @@ def test_merge_fails_fp8_outside_the_fp32_range(tmp_path):
     assert bench.failed_targets(result) == ["AdamWFp8"]
 
 
+def test_a_part_without_fp32_adamw_leaves_its_targets_undecided(tmp_path):
+    """A gpt125m part of low-bit runs only (the 8-bit parts: fp32 AdamW runs in another part) writes its table with
+    every target undecided: nothing to compare with yet."""
+    _fake_part(tmp_path / "a", {("AdamW8bit", 1): 0.69, ("AdamWFp8", 1): 0.70})
+    result = bench.merge_results([str(tmp_path)], tmp_path / "merged")
+    assert {t["passed"] for t in result["targets"].values()} == {None}
+    assert all(t["reference_mean"] is None for t in result["targets"].values())
+    assert bench.exit_status(result) == 0
+
+
 def test_merge_one_seed_target_is_one_percent(tmp_path):
     """gpt350m runs one seed: each low-bit format within 1% of fp32 AdamW's loss."""
     _fake_part(tmp_path / "a", {("AdamW", 0): 0.800, ("AdamW4bit", 0): 0.8079}, model_size="gpt350m", steps=1000)
