@@ -33,8 +33,8 @@ STRIP: tl.constexpr = tl.constexpr(STRIP_TILES)
 
 @triton.jit
 def _state_at(
-    codes,
-    scales,
+    row,
+    K: tl.constexpr,
     values,
     e,
     r,
@@ -48,10 +48,12 @@ def _state_at(
     QBLOCK: tl.constexpr,
     RANK1: tl.constexpr,
 ):
-    """The fp32 values of one state at a tile's flat elements ``e`` (rows ``r``, columns ``c``: the tile's, as
+    """The fp32 values of state ``K`` (its codes and scales at ``row[1 + 2K]``, ``row[2 + 2K]``: the tensor's row of the
+    pointer table) at a tile's flat elements ``e`` (rows ``r``, columns ``c``: the tile's, as
     vectors): a code's value (8-bit: the table's entry; 4-bit: the nibble's, the low word of the pair table's entry
     for the byte of that nibble alone, so that the 16 values read lie in one 128-byte line) times its block's scale or
     its rank-1 scale (the tile's row and column maxima loaded once each); a plain state's values as they are."""
+    codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
     if QUANT:
         if BITS == 8:
             code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + e, mask=mask, other=0).to(tl.int32)
@@ -139,60 +141,15 @@ def rank1_stats_kernel(
         g = tl.load(grad + e, mask=mask, other=0.0).to(tl.float32)
         if MAXIMIZE:
             g = -g
-        s0 = _state_at(
-            tl.load(row + 1),
-            tl.load(row + 2),
-            s0_values,
-            e,
-            r,
-            c,
-            r_ok,
-            c_ok,
-            rows,
-            mask,
-            S0_QUANT,
-            S0_BITS,
-            QBLOCK,
-            S0_RANK1,
-        )
+        s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_RANK1)
         if N_STATES == 1:
             p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
         else:
-            s1 = _state_at(
-                tl.load(row + 3),
-                tl.load(row + 4),
-                s1_values,
-                e,
-                r,
-                c,
-                r_ok,
-                c_ok,
-                rows,
-                mask,
-                S1_QUANT,
-                S1_BITS,
-                QBLOCK,
-                S1_RANK1,
-            )
+            s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_RANK1)
             if N_STATES == 2:
                 p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
             else:
-                s2 = _state_at(
-                    tl.load(row + 5),
-                    tl.load(row + 6),
-                    s2_values,
-                    e,
-                    r,
-                    c,
-                    r_ok,
-                    c_ok,
-                    rows,
-                    mask,
-                    S2_QUANT,
-                    S2_BITS,
-                    QBLOCK,
-                    S2_RANK1,
-                )
+                s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_RANK1)
                 p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
                 if S2_RANK1:
                     cols2 = _fold(s2, mask, tl.load(info + 3), r, r_ok, cols2)
