@@ -98,9 +98,11 @@ def adam_update(
         v = torch.maximum(max_exp_avg_sq, v)
         max_exp_avg_sq.copy_(v)
 
-    # With L2 weight decay the next gradient, so the states, depend on the parameter, so on this square root: taken
-    # correctly rounded (sqrt_rn), as the compiled path and the fused kernels take it, when this update runs eagerly
-    denom = (v.sqrt() if decoupled_weight_decay else sqrt_rn(v)) * inv_bc2 + eps
+    # The square root correctly rounded (sqrt_rn), as the compiled path and the fused C step take it, also when this
+    # update runs eagerly (eager torch's vectorized one is an ulp off at some elements on AVX-512): the parameter is
+    # then the same bits on every executor (a sharded parameter's eager step against one process's fused one), and
+    # with L2 weight decay the next gradient, so the states, depend on it
+    denom = sqrt_rn(v) * inv_bc2 + eps
     p_new = p_decayed - step_size * (m / denom)
     store_param(param, torch.where(ok, p_new, p), round_key)
 
