@@ -53,12 +53,13 @@ def compile_adam(
     num_warps: int,
     maxnreg: str = "auto",
     rule_name: str = "adam",
-    rank1: bool = False,
+    rank1: int = 0,
 ):
     """``adam_kernel`` compiled for a plan of ``rule_name``'s (a package rule of two or three states with a Triton
     update: its states' signs, its option set, a third state under ``N_STATES=3``), every state in ``bits``-bit codes
     of the built-in format of that width, and the number of elements per thread of its loop. ``rank1``: its second
-    state with rank-1 scales (as ``"4bit_rank1"``'s ``exp_avg_sq``)."""
+    state's scales over the matrix (the index of their kind in ``state.layout.SCALE_KINDS``: 1 rank-1, as
+    ``"4bit_rank1"``'s ``exp_avg_sq``; 2 factored, as ``"factored4"``'s)."""
     import torch
     import triton.language as tl
 

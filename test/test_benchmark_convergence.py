@@ -100,11 +100,10 @@ def test_default_optims_skip_formats_covered_by_an_alias():
 def test_default_optims_leave_formats_without_a_fused_layout_to_all_formats(capsys):
     """The default run stays short and the same on every device: a format that the fused executors do not take (its
     first step compiles for about a minute on a CPU) runs only when asked for, and so does one recorded as outside
-    fp32's range there (OUT_OF_DEFAULT: the default run is the acceptance check). "4bit_rank1" is fused on both
-    executors; the factored formats on the CPU (the main job's device)."""
-    assert bench.has_fused_layout("4bit") and bench.has_fused_layout("4bit_rank1")
-    assert bench.has_fused_layout("4bit_rank1", "triton")
-    assert bench.has_fused_layout("factored") and not bench.has_fused_layout("factored", "triton")
+    fp32's range there (OUT_OF_DEFAULT: the default run is the acceptance check). "4bit_rank1" and the factored
+    formats are fused on both executors."""
+    for fmt in ("4bit", "4bit_rank1", "factored", "factored4"):
+        assert bench.has_fused_layout(fmt) and bench.has_fused_layout(fmt, "triton")
     default, every = bench.default_optims(), bench.default_optims(all_formats=True)
     assert "AdamW-4bit" in default and "AdamW-fp8" in default and "AdamW-4bit_rank1" not in default
     assert "AdamW-factored" in default and "AdamW-factored4" in default

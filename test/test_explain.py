@@ -52,20 +52,14 @@ def test_explain_names_the_setting_that_turns_the_fused_path_off():
     assert "fused=False" in torchao_optim.AdamW8bit(model.parameters(), fused=False).explain()
     text = torchao_optim.AdamW8bit(model.parameters(), fused=False, compile=False).explain()
     assert "per-parameter path, eager (compile=False)" in text and "fused=False" in text
-    # factored statistics: the fused C step reads them, the Triton kernels not yet, and say so
-    text = torchao_optim.AdamW(model.parameters(), state_format="factored", min_quant_size=0).explain()
-    assert "fused C step: 6 parameter(s)" in text and "not fused" not in text
-    if fused_available("cpu"):
-        text = torchao_optim.AdamW(model.parameters(), state_format="factored", min_quant_size=0, fused=True).explain()
-        assert "its state 'exp_avg_sq' has factored scales, which the triton kernels do not read" in text
-    # rank-1 scales: the fused C step and the Triton kernels (here in Triton's interpreter) read them
-    text = torchao_optim.AdamW(model.parameters(), state_format="4bit_rank1", min_quant_size=0).explain()
-    assert "fused C step: 6 parameter(s)" in text and "not fused" not in text
-    if fused_available("cpu"):
-        text = torchao_optim.AdamW(
-            model.parameters(), state_format="4bit_rank1", min_quant_size=0, fused=True
-        ).explain()
-        assert "not fused" not in text
+    # rank-1 scales and factored statistics: the fused C step and the Triton kernels (here in Triton's interpreter)
+    # read them
+    for fmt in ("4bit_rank1", "factored"):
+        text = torchao_optim.AdamW(model.parameters(), state_format=fmt, min_quant_size=0).explain()
+        assert "fused C step: 6 parameter(s)" in text and "not fused" not in text
+        if fused_available("cpu"):
+            text = torchao_optim.AdamW(model.parameters(), state_format=fmt, min_quant_size=0, fused=True).explain()
+            assert "not fused" not in text
     text = torchao_optim.SGD8bit(model.parameters(), momentum=0.0).explain()
     assert "no state to update" in text
 

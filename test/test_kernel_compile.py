@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from torchao_optim.state.layout import SCALE_KINDS
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -183,31 +185,37 @@ from count_instructions import compile_adam, compile_kernel
 from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
 from torchao_optim.rules import BUILT_IN_RULES
 
-dtype = sys.argv[1]
-compiled, _ = compile_adam(dtype, 4, 128, 90, 2, rank1=True)
+dtype, kind = sys.argv[1], int(sys.argv[2])  # kind: exp_avg_sq's scales, 1 rank-1, 2 factored (SCALE_KINDS' index)
+compiled, _ = compile_adam(dtype, 4, 128, 90, 2, rank1=kind)
 rule = next(r for r in BUILT_IN_RULES if r.name == "adam")
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "rank1": "*i64",
              "prog_tensor": "*i32", "prog_strip": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
-                 S0_RANK1=False, S1_QUANT=True, S1_BITS=4, S1_RANK1=True)
+                 S0_RANK1=False, S1_QUANT=True, S1_BITS=4, S1_RANK1=kind)
 stats = compile_kernel(rank1_stats_kernel, signature, constants, 90, 4)
 print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]))
 """
 
 
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
+@pytest.mark.parametrize("kind", ["rank1", "factored"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_rank1_kernels_compile_for_sm90(dtype):
-    """Rank-1 scales on the Triton kernels ("4bit_rank1"'s ``exp_avg_sq``): the two-state kernel's rank-1 form and the
-    first pass that finds the new maxima (its atomics) compile for sm_90 with their inline PTX."""
+def test_matrix_scale_kernels_compile_for_sm90(dtype, kind):
+    """Scales over a whole matrix on the Triton kernels ("4bit_rank1"'s and "factored4"'s ``exp_avg_sq``): the
+    two-state kernel's form for each and the first pass that finds the new maxima or sums (its atomics, fp64 for
+    the sums) compile for sm_90 with their inline PTX."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "benchmarks")] + [p for p in [env.get("PYTHONPATH")] if p]
     )
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _RANK1, dtype], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-W", "ignore", "-c", _RANK1, dtype, str(SCALE_KINDS.index(kind))],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert all(int(n) > 0 for n in proc.stdout.strip().splitlines()[-1].split())

@@ -1,7 +1,9 @@
-"""Rank-1 scales ("4bit_rank1") on the Triton kernels: the first pass's row and column maxima, the step's decode with
-the old ones and encode with the new, in every kernel (one, two and three states), equal the compiled path's codes
-and maxima bit for bit, at the edges: fewer columns than a tile, a row ending inside a tile, an all-zero row, a
-subnormal scale. In Triton's interpreter on a machine without CUDA (conftest.py); on CUDA, on the GPU."""
+"""Scales over a whole matrix on the Triton kernels: rank-1 scales ("4bit_rank1": the first pass's row and column
+maxima, the step's decode with the old ones and encode with the new) and factored states ("factored", "factored4": the
+first pass's fp64 row and column sums, the step's decode with the old means and no codes written, the new means stored
+last), in every kernel (one, two and three states), equal the compiled path's codes, maxima and means bit for bit, at
+the edges: fewer columns than a tile, a row ending inside a tile, an all-zero row, a subnormal scale. In Triton's
+interpreter on a machine without CUDA (conftest.py); on CUDA, on the GPU."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ SHAPES = ((37, 5), (3, 1000), (64, 128), (2, 3, 40), (300, 7)) + (
     ((600, 700),) if DEVICE == "cuda" else ()
 )  # many strips on a GPU
 STEPS = 3
-KW = dict(state_format="4bit_rank1", min_quant_size=0)
+FORMATS = ("4bit_rank1", "factored", "factored4")
 RULES = {
     "adamw": (lambda ps, **kw: AdamW(ps, lr=1e-2, weight_decay=0.1, **kw), 2),
     "adamw-amsgrad-maximize": (lambda ps, **kw: AdamW(ps, lr=1e-2, amsgrad=True, maximize=True, **kw), 3),
@@ -29,26 +31,29 @@ RULES = {
 }
 
 
-def _train(make, fused):
+def _train(make, fused, fmt):
     gen = torch.Generator().manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
-    opt = make(params, fused=fused, compile=False, **KW)
-    for _ in range(STEPS):
+    opt = make(params, fused=fused, compile=False, state_format=fmt, min_quant_size=0)
+    for step in range(STEPS):
         for p in params:
             g = torch.randn(p.shape, generator=gen)
             rows = g.view(g.shape[0], -1)
-            rows[0] = 0.0  # an all-zero row: its maximum and scales 0
+            rows[0] = 0.0  # an all-zero row: its maximum (or mean) and scales 0
             rows[1] *= 3e-20  # a second moment of order 1e-42: a subnormal scale (the 2**64 lift)
+            if step == 1:  # non-finite gradient elements: skipped, their old values counted in the new statistics
+                rows[-1, -1], rows[-1, 0] = float("nan"), float("inf")
             p.grad = g.to(DEVICE)
         opt.step()
     return params, opt
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", list(RULES))
-def test_rank1_scales_on_triton_equal_compiled_path(name):
+def test_matrix_scales_on_triton_equal_compiled_path(name, fmt):
     make, n_states = RULES[name]
-    a, oa = _train(make, True)
-    b, ob = _train(make, False)
+    a, oa = _train(make, True, fmt)
+    b, ob = _train(make, False, fmt)
     plans = oa._plans[id(oa.param_groups[0])]
     assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"triton"}
     assert {len(plan.layouts) for plan in plans["plans"]} == {n_states}

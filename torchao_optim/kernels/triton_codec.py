@@ -15,8 +15,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from torchao_optim.state.layout import SCALE_KINDS
+
 TINY: tl.constexpr = tl.constexpr(2.0**-126)  # quant.blockwise.TINY
 LIFT: tl.constexpr = tl.constexpr(2.0**64)
+# A state's kind of scales, as the kernels' per-state RANK1 constexprs carry it: its index in StateLayout's SCALE_KINDS,
+# 0 (False) one scale per block, 1 (True) rank-1 maxima, FACTORED a factored state's row and column means
+FACTORED: tl.constexpr = tl.constexpr(SCALE_KINDS.index("factored"))
 
 
 @triton.jit
@@ -240,6 +245,18 @@ def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def factored_values(row_means, columns, cols, start, local, n_valid, BLOCK: tl.constexpr):
+    """A factored state's values (``StateLayout.scale`` ``"factored"``) at elements ``start + local`` (the first
+    ``n_valid`` exist; 0 past them) of a matrix of ``cols`` columns: ``row_means[r] * columns[c]``, ``columns`` being
+    its column means over their mean (made once per step, as the C step makes them), as ``FactoredState``'s
+    dequantize takes them."""
+    r, c = _row_col(start, local, cols, BLOCK)
+    mask = local < n_valid
+    x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=mask, other=0.0)
+    return x * tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=mask, other=0.0)
+
+
+@triton.jit
 def _code_words(codes, blk, BLOCK: tl.constexpr, VEC: tl.constexpr):
     """The addresses of tile ``blk``'s 4-bit codes as ``BLOCK // VEC`` words of ``VEC // 2`` bytes, the codes of a
     run of ``VEC`` elements each, known to the compiler as contiguous one at a time: each thread then loads and
@@ -306,9 +323,13 @@ def load_codes(
     ``n_valid`` is the whole tile or nothing): 4-bit codes come as one word per run of ``VEC`` elements
     (``VEC // 2`` bytes, a thread's own), not byte by byte (a byte mask ``2 * offset < n_valid`` is a predicate
     per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`). ``RANK1``: the
-    state has rank-1 scales over a matrix of ``rows`` rows of ``cols`` (``scales``: its maxima): the scales returned
-    are each element's (:func:`rank1_scales`)."""
-    if QUANT:
+    state's scales are over a matrix of ``rows`` rows of ``cols`` (its kind's index in ``SCALE_KINDS``): 1, rank-1
+    scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
+    factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means), the values
+    returned in place of the scales (:func:`factored_values`)."""
+    if QUANT and RANK1 == FACTORED:  # no codes: the values (the "scale") are the row mean times the column's
+        return local * 0, factored_values(scales, codes, cols, start, local, n_valid, BLOCK)
+    elif QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
         elif WHOLE:  # one word per run of VEC elements, a thread's own
@@ -346,7 +367,9 @@ def load_state(
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
     elements' values: the low nibble's in the low word). ``VEC``, ``WHOLE`` and ``RANK1``: :func:`load_codes`'."""
-    if QUANT:
+    if QUANT and RANK1 == FACTORED:
+        return scale
+    elif QUANT:
         if BITS == 8:
             x = tl.load(values + raw)
         elif WHOLE:
@@ -395,7 +418,9 @@ def store_state(
     pass, :mod:`~torchao_optim.kernels.triton_rank1`); only the codes of ``x`` over each element's scale are
     written."""
     mask = local < n_valid
-    if QUANT:
+    if QUANT and RANK1 == FACTORED:
+        pass  # no codes; the new means come from the first pass's sums, stored once every tile has decoded
+    elif QUANT:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
         # A subnormal absmax's reciprocal overflows: such a block and its absmax are multiplied by 2**64 first
         # (exact), as quant.blockwise.normalize does. One block per tile: a branch, taken only by such a block,

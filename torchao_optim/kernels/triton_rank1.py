@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
+from torchao_optim.kernels.triton_codec import FACTORED
 
 # A program reads a strip of STRIP_TILES tiles of TILE_ROWS rows by TILE_COLS columns, top to bottom: one atomic maximum
 # per row of a tile, one per column of the strip (its column maxima kept in registers down the strip). Measured on an
@@ -54,7 +55,10 @@ def _state_at(
     for the byte of that nibble alone, so that the 16 values read lie in one 128-byte line) times its block's scale or
     its rank-1 scale (the tile's row and column maxima loaded once each); a plain state's values as they are."""
     codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
-    if QUANT:
+    if QUANT and RANK1 == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
+        row_mean = tl.load(scales.to(tl.pointer_type(tl.float32)) + r, mask=r_ok, other=0.0)
+        return row_mean[:, None] * tl.load(codes.to(tl.pointer_type(tl.float32)) + c, mask=c_ok, other=0.0)[None, :]
+    elif QUANT:
         if BITS == 8:
             code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + e, mask=mask, other=0).to(tl.int32)
             x = tl.load(values + code)
@@ -71,6 +75,18 @@ def _state_at(
         return x * scale
     else:
         return tl.load(codes.to(tl.pointer_type(tl.float32)) + e, mask=mask, other=0.0)
+
+
+@triton.jit
+def _fold_sums(x, mask, sums, r, c, r_ok, c_ok, rows):
+    """Add the tile's ``where(isfinite(x) & (x > 0), x, 0)`` in fp64 into ``sums`` (fp64: the row sums, then the column
+    sums of a factored state's new values), one atomic addition per row and per column of the tile. The order of the
+    additions varies; an fp64 sum of fp32 values rounds to the same fp32 mean whatever the order, but where the exact
+    mean lies within the sum's rounding of an fp32 rounding boundary (state/factored.py)."""
+    v = tl.where(mask & (x > 0.0) & (x <= 3.4028234663852886e38), x, 0.0).to(tl.float64)
+    out = sums.to(tl.pointer_type(tl.float64))
+    tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
+    tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")
 
 
 @triton.jit
@@ -151,18 +167,24 @@ def rank1_stats_kernel(
             else:
                 s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_RANK1)
                 p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-                if S2_RANK1:
+                if S2_RANK1 == FACTORED:
+                    _fold_sums(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows)
+                elif S2_RANK1:
                     cols2 = _fold(s2, mask, tl.load(info + 3), r, r_ok, cols2)
-            if S1_RANK1:
+            if S1_RANK1 == FACTORED:
+                _fold_sums(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows)
+            elif S1_RANK1:
                 cols1 = _fold(s1, mask, tl.load(info + 2), r, r_ok, cols1)
-        if S0_RANK1:
+        if S0_RANK1 == FACTORED:
+            _fold_sums(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows)
+        elif S0_RANK1:
             cols0 = _fold(s0, mask, tl.load(info + 1), r, r_ok, cols0)
     # the strip's column maxima: one atomic maximum per column and state
-    if S0_RANK1:
+    if S0_RANK1 == 1:
         tl.atomic_max(tl.load(info + 1).to(tl.pointer_type(tl.int32)) + rows + c, cols0, mask=c_ok, sem="relaxed")
-    if S1_RANK1:
+    if S1_RANK1 == 1:
         tl.atomic_max(tl.load(info + 2).to(tl.pointer_type(tl.int32)) + rows + c, cols1, mask=c_ok, sem="relaxed")
-    if S2_RANK1:
+    if S2_RANK1 == 1:
         tl.atomic_max(tl.load(info + 3).to(tl.pointer_type(tl.int32)) + rows + c, cols2, mask=c_ok, sem="relaxed")
 
 

@@ -69,8 +69,8 @@ MIN_PROGRAMS: int | None = None
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
 TAIL_TILES: int | None = None
 TAIL_TILES_PER_SM = 32
-# The scale kinds (StateLayout.scale) each fused executor reads: the Triton kernels not yet factored statistics
-SCALES_READ = {"cpu": ("block", "rank1", "factored"), "triton": ("block", "rank1")}
+# The scale kinds (StateLayout.scale) each fused executor reads
+SCALES_READ = {"cpu": ("block", "rank1", "factored"), "triton": ("block", "rank1", "factored")}
 
 
 @functools.cache
@@ -307,10 +307,14 @@ class GroupPlan:
         self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
 
     def _plan_rank1(self, shards: list[Tensor], states: list[dict], device: torch.device) -> None:
-        """What the Triton kernels read for states with rank-1 scales: ``rank1`` (int64, a row per tensor: its
-        matrix's rows, then each state's new maxima's address, 0 for a blockwise state), ``maxima`` (one fp32
-        buffer of every new maximum, zeroed before each step's first pass), the first pass's program map, and the
-        copies that make the new maxima the states' own (``maxima_into`` from ``maxima_from``) after the step."""
+        """What the Triton kernels read for states with scales over a whole matrix (rank-1 maxima, factored means):
+        ``rank1`` (int64, a row per tensor: its matrix's rows, then each state's new statistics' address, 0 for a
+        blockwise state), ``maxima`` (one fp32 buffer of every rank-1 state's new maxima) and ``sums`` (one fp64 buffer
+        of every factored state's new row and column sums), both zeroed before each step's first pass, the first
+        pass's program map, and the copies that make the new statistics the states' own after the step (``stats_into``
+        from ``stats_from``; a factored state's from ``means``, the sums over ``divisors``). A factored state's codes
+        field is its column means; the pointer table points the kernels at ``columns`` instead, those means over their
+        mean, made before each first pass (:meth:`normalize_columns`)."""
         from torchao_optim.kernels.triton_rank1 import stats_programs
 
         per_state = [r.tolist() if r is not None else None for r in self.rows]
@@ -321,24 +325,62 @@ class GroupPlan:
         numels = [p.numel() for p in shards]
         if 0 in rows:
             raise ValueError("a tensor with rank-1 scales has no rows")
-        sizes = [r + n // r for r, n in zip(rows, numels)]
+        cols = [n // r for r, n in zip(rows, numels)]
         n_states = len(self.layouts)
-        self.maxima = torch.zeros(sum(sizes) * sum(r is not None for r in per_state), device=device)
-        table, self.maxima_into, self.maxima_from = [], [], []
-        at = 0
-        for t, (state, size) in enumerate(zip(states, sizes)):
-            entry = [rows[t]] + [0] * n_states
+        factored = [layout.scale == "factored" for layout in self.layouts]
+        n_rank1 = sum(r is not None and not f for r, f in zip(per_state, factored))
+        self.maxima = torch.zeros((sum(rows) + sum(cols)) * n_rank1, device=device)
+        self.sums = torch.zeros((sum(rows) + sum(cols)) * sum(factored), dtype=torch.float64, device=device)
+        divisors = torch.empty_like(self.sums)
+        # each factored matrix's columns over their mean, at 16-byte boundaries (the kernels' codes addresses are)
+        spans = [-(-c // 4) * 4 for c in cols]
+        self.columns = torch.zeros(sum(spans) * sum(factored), device=device)
+        table, ptrs, self.stats_into, self.stats_from, self.column_means = [], self.ptrs.cpu(), [], [], []
+        at_max = at_sum = at_col = 0
+        for t, state in enumerate(states):
+            r, c = rows[t], cols[t]
+            entry = [r] + [0] * n_states
             for k, key in enumerate(self.rule.state_keys):
-                if per_state[k] is not None:
-                    new = self.maxima[at : at + size]
+                if per_state[k] is None:
+                    continue
+                x = local(state[key])
+                if factored[k]:
+                    entry[1 + k] = self.sums[at_sum].data_ptr()
+                    divisors[at_sum : at_sum + r], divisors[at_sum + r : at_sum + r + c] = c, r
+                    self.stats_into += [getattr(x, self.layouts[k].scales), getattr(x, self.layouts[k].codes)]
+                    self.stats_from += [(at_sum, r), (at_sum + r, c)]
+                    columns = self.columns[at_col : at_col + c]
+                    self.column_means.append((getattr(x, self.layouts[k].codes), columns))
+                    ptrs[t, 1 + 2 * k] = columns.data_ptr()
+                    at_sum, at_col = at_sum + r + c, at_col + spans[t]
+                else:
+                    new = self.maxima[at_max : at_max + r + c]
                     entry[1 + k] = new.data_ptr()
-                    self.maxima_into.append(getattr(local(state[key]), self.layouts[k].scales))
-                    self.maxima_from.append(new)
-                    at += size
+                    self.stats_into.append(getattr(x, self.layouts[k].scales))
+                    self.stats_from.append(new)
+                    at_max += r + c
             table.append(entry)
+        self.divisors = divisors
+        self.means = torch.empty(self.sums.shape, device=device)
+        # a factored state's new means, as views of ``means`` ((offset, length) so far)
+        self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
+        self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
         self.stats_tensor, self.stats_strip = (x.to(device) for x in stats_programs(numels, rows))
         self.maxnreg = None  # the caps were measured on blockwise scales
+
+    def normalize_columns(self) -> None:
+        """Each factored matrix's column means over their mean (an fp64 sum over the columns, rounded to fp32; 0 where
+        it is not positive), into ``columns``, which the kernels read in place of codes: as the C step makes them."""
+        for col_mean, out in self.column_means:
+            mean = (col_mean.to(torch.float64).sum() / col_mean.numel()).to(torch.float32)
+            torch.where(mean > 0, col_mean / mean, torch.zeros((), device=out.device), out=out)
+
+    def store_statistics(self) -> None:
+        """The new maxima and means become the states' own, once every tile has decoded with the old ones."""
+        if self.sums.numel():
+            self.means.copy_(self.sums / self.divisors)
+        torch._foreach_copy_(self.stats_into, self.stats_from)
 
     def use_counters(self, steps: Tensor, coefs: Tensor) -> None:
         """Hold the step counts in ``steps`` (each state's ``"step"`` then aliases its element, except on the CPU

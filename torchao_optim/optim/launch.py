@@ -26,7 +26,7 @@ from torch import Tensor
 
 from torchao_optim.kernels import triton_interpreter
 from torchao_optim.kernels.cpu import CPU_DTYPES, MAX_STATES, cpu_rule, state_kind
-from torchao_optim.state.layout import PLAIN_FP32
+from torchao_optim.state.layout import PLAIN_FP32, SCALE_KINDS
 
 __all__ = ["run"]
 
@@ -156,15 +156,19 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
     _rank1_maxima(plan)
 
 
-def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[bool, ...]:
-    """Which states of the plan have rank-1 scales; where any has, the first pass
-    (``triton_rank1.rank1_stats_kernel``): their new maxima, into ``plan.maxima``."""
-    rank1 = tuple(r is not None for r in plan.rows) + (False,) * (3 - len(plan.rows))
+def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
+    """Each state's kind of scales, as the Triton kernels' ``RANK1`` constexprs take it (its index in
+    ``state.layout.SCALE_KINDS``: 0 one per block, 1 rank-1, 2 factored); where a state's scales are over the whole
+    matrix, the first pass (``triton_rank1.rank1_stats_kernel``): their new maxima, into ``plan.maxima``, and their
+    new sums, into ``plan.sums``, a factored state decoded with its columns over their mean (made first)."""
+    rank1 = tuple(SCALE_KINDS.index(layout.scale) for layout in plan.layouts) + (0,) * (3 - len(plan.layouts))
     if plan.rank1 is None:
         return rank1
     from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
 
     plan.maxima.zero_()
+    plan.sums.zero_()
+    plan.normalize_columns()
     n_states = len(plan.layouts)
     decode = plan.tables[0::3] + (None,) * (3 - n_states)  # each state's decode table
     flags = {}
@@ -197,9 +201,9 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[bool, ...]
 
 
 def _rank1_maxima(plan) -> None:
-    """The new maxima become the rank-1 states' own, once every tile has decoded with the old ones."""
+    """The new maxima and means become the states' own, once every tile has decoded with the old ones."""
     if plan.rank1 is not None:
-        torch._foreach_copy_(plan.maxima_into, plan.maxima_from)
+        plan.store_statistics()
 
 
 def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stochastic_round: bool) -> None:
