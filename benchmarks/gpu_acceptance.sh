@@ -2,7 +2,8 @@
 # The recorded GPU run, in one command: the CUDA tests, Nsight Compute on the fused kernel, and the step benchmark
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
-# PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the rank-1 scales; the
+# PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
+# rank-1 and factored scales; the
 # memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
@@ -54,13 +55,15 @@ if has rules; then
         --optims AdamWTorchFused,AdamW8bit,AdEMAMix,AdEMAMix8bit,AdEMAMixBnb8bit,AdamWAmsgradTorchFused,AdamW8bitAmsgrad,RMSpropCentered,RMSpropCentered8bit,RMSpropCenteredNoMomentum,RMSpropCenteredNoMomentum8bit,Adagrad8bit,AdagradBnb8bit,RMSprop8bit,RMSpropBnb8bit \
         2>&1 | tee "$OUT/rules/step.txt"
 fi
-# Rank-1 scales ("4bit_rank1") on the Triton kernels: their tests on the GPU, then the step beside "4bit"'s and torch's
-# fused AdamW (TinyLlama geometry, fp32 and bf16 parameters), under $OUT/rank1.
+# Scales over a whole matrix on the Triton kernels (rank-1: "4bit_rank1"; factored: "factored", "factored4"): their
+# tests on the GPU, then the step beside "4bit"'s, "dtq8"'s and torch's fused AdamW (TinyLlama geometry, fp32 and
+# bf16 parameters), under $OUT/rank1.
 if has rank1; then
     mkdir -p "$OUT/rank1"
     python -m pytest test/test_triton_rank1.py -q 2>&1 | tail -3 | tee "$OUT/rank1/tests.txt"
     python benchmarks/benchmark_step.py --geometries llama_1b --dtypes fp32,bf16 --out "$OUT/rank1" \
-        --optims AdamWTorchFused,AdamW-4bit,AdamW-4bit_rank1 2>&1 | tee "$OUT/rank1/step.txt"
+        --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4 2>&1 \
+        | tee "$OUT/rank1/step.txt"
 fi
 # The memory benchmark: every configuration on TinyLlama-1.1B (the offload acceptance), then the largest Llama
 # that fits on the machine, in three runs (state on the GPU; torchao's CPU offload; ours with offload_state).
