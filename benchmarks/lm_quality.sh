@@ -19,7 +19,7 @@
 #   gpt125m, seeds 0, 1 and 2 of every optimizer (fp32 AdamW's seed range decides):
 #     125m-4bit-s0  125m-4bit-s1  125m-4bit-s2    AdamW, AdamW4bit, AdamWTorchao4bit; seed 0, 1, 2
 #     125m-8bit-s0  125m-8bit-s1  125m-8bit-s2    AdamW8bit, AdamWFp8, AdamWBnb8bit, AdamWTorchao8bit; seed 0, 1, 2
-#     125m-rank1                                  AdamW-4bit_rank1, seeds 0, 1, 2 (per-parameter compiled path)
+#     125m-rank1                                  AdamW-4bit_rank1, seeds 0, 1, 2
 #   gpt350m, seed 0 (each low-bit format within 1% of fp32 AdamW):
 #     350m-a  350m-b                              AdamW, AdamW4bit; AdamW8bit, AdamWFp8
 # and the 4-bit variants (benchmarks/fourbit_variants.py, loaded by --formats_from; each one change from AdamW4bit,
@@ -29,8 +29,8 @@
 #         (the embeddings in 8-bit), AdamW4bit-small8 (every tensor of at most 2**19 elements in 8-bit); seed 0, 1, 2
 # and, for the 4-bit gap on gpt350m (seed 0; compare with 350m-a's AdamW and AdamW4bit):
 #     350m-4bitvar   AdamW-4bit_b64, AdamW4bit-small8, AdamW4bit-emb8
-#     350m-rank1     AdamW-4bit_rank1 (per-parameter compiled path)
-# and the factored second moment beside the 125m parts' fp32 AdamW (per-parameter compiled path; a second call
+#     350m-rank1     AdamW-4bit_rank1
+# and the factored second moment beside the 125m parts' fp32 AdamW (a second call
 # takes the seeds the first leaves out):
 #     125m-factored  AdamW-factored4, AdamW-factored; seeds 0, 1, 2
 # then, wherever the parts' folders were gathered (any machine, no GPU needed):

@@ -35,13 +35,18 @@ an fp32 mean only where the exact mean lies that close to a rounding boundary.
 
 Fast path: a factored state has no blockwise layout (``fast_path_layout()`` is ``None``: its scales are no blockwise
 absmax), but ``fused_layout()`` gives a :class:`StateLayout` of its own kind (``scale="factored"``: the column means
-named in place of codes, the row means in place of scales). The fused C step reads it: on the CPU the step decodes
-``r[i] * c[j] / mean(c)``, runs the rule's update, folds the new values' row and column sums in fp64 range by range
-(non-finite and negative values as 0) and stores the new means last, the compiled path's bit for bit. The Triton
-kernels do not read it yet (``optim.fused.SCALES_READ``): on CUDA a parameter with a factored state takes the
-per-parameter compiled path, as ``explain()`` says. A parameter whose states are all blockwise (a vector; an optimizer
-whose states are all signed) is fused as in ``"dtq8"`` or ``"4bit"`` on both. A factored matrix sharded by rows
-(below) takes the per-parameter path on either device: its column means span ranks.
+named in place of codes, the row means in place of scales). Both fused executors read it
+(``optim.fused.SCALES_READ``). On the CPU the C step decodes ``r[i] * c[j] / mean(c)``, runs the rule's update, folds
+the new values' row and column sums in fp64 range by range (non-finite and negative values as 0) and stores the new
+means last, the compiled path's bit for bit. On CUDA the plan makes each matrix's columns over their mean (the mean an
+fp64 sum rounded to fp32, as the C step makes it) into a buffer the kernels read in place of codes; the first pass
+(``kernels/triton_rank1.py``, as for rank-1 scales) runs the update and adds each tile's new values into fp64 row and
+column sums with atomic additions (their order varies: a mean moves only where the exact one lies within the sum's
+rounding of an fp32 rounding boundary, above); the step kernels decode a row mean times that column and write no
+codes, and the plan stores each sum over its count as the new means last (in Triton's interpreter the compiled
+path's bit for bit). A parameter whose states are all blockwise (a vector; an optimizer whose states are all signed)
+is fused as in ``"dtq8"`` or ``"4bit"`` on both. A factored matrix sharded by rows (below) takes the per-parameter
+path on either device: its column means span ranks.
 
 Sharded by rows (FSDP2's ``Shard(0)``), each rank holds whole rows: their row means are its own, but a column's mean
 spans every rank. Each rank's state stores its rows' means and the column means of the whole tensor, which the step

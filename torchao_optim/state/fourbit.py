@@ -21,8 +21,8 @@ one: ``"linear"`` (above) or ``"dynamic"``, the unsigned 4-bit dynamic tree map 
 ``"4bit_rank1"`` is the same format with the paper's rank-1 normalization for the second moment of tensors of
 two or more dimensions: element ``(i, j)`` of the ``(rows, numel / rows)`` matrix is scaled by
 ``min(row_max[i], col_max[j])`` instead of its block's absmax, which adapts to rows and columns of outliers.
-Its scales are not blockwise, so the fused CUDA kernels (which read one absmax per block) do not take it:
-its parameters take the per-parameter compiled path.
+Its scales are not blockwise: both fused executors read them (``StateLayout.scale`` ``"rank1"``), each with a first
+pass that finds the new row and column maxima before any code is written.
 
 Sharded by rows (FSDP2's ``Shard(0)``), each rank holds whole rows: their row maxima are its own, but a column's
 maximum spans every rank. Each rank's state stores its rows' codes and row maxima and the column maxima of the whole
@@ -161,7 +161,7 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
 
     attr_fields = ("signed", "block_size", "rows")
     rows_field = "row_marks"
-    fused_scale = "rank1"  # the fused C step reads its row and column maxima
+    fused_scale = "rank1"  # both fused executors read its row and column maxima
     # Shard(0): every rank quantizes its own rows, with the column maxima all-reduced (shared_columns says how many)
     row_shardable = True
     # Shard(1): a row's maximum would span ranks as well as a column's (kept plain), and no slice of columns

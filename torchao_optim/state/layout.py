@@ -36,8 +36,7 @@ class StateLayout:
             (``codes``, fp32, ``numel / rows``), element ``(r, c)`` being ``row[r] * (col[c] / mean(col))``
             (Adafactor's factored second moment, ``state/factored.py``); the codebook is then unused. A format gives
             these layouts from ``fused_layout()``; the kinds each fused executor reads are ``optim.fused.SCALES_READ``'s
-            (the C step all three, the Triton kernels ``"block"`` and ``"rank1"``), ``block_size`` then being only the
-            size of the pieces they work in.
+            (both read all three), ``block_size`` then being only the size of the pieces they work in.
     """
 
     codes: str
