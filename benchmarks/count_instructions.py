@@ -100,7 +100,7 @@ def compile_adam(
         constants = dict(w_values=None, w_level1=None, w_level2=None)  # as a two-state launch passes them
     constants.update(
         rank1=None,  # blockwise scales: as a launch without a rank-1 state passes it
-        V_RANK1=rank1,
+        V_SCALE=rank1,
         PARAM_DTYPE=param,
         GRAD_DTYPE=param,
         QBLOCK=block,

@@ -178,7 +178,7 @@ def test_three_state_kernel_compiles_for_sm90_without_spilling(rule, dtype, bits
     assert stats["byte_accesses"] == 0, stats
 
 
-_RANK1 = """
+_MATRIX_SCALES = """
 import sys
 import triton.language as tl
 from count_instructions import compile_adam, compile_kernel
@@ -193,7 +193,7 @@ signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*f
              "prog_tensor": "*i32", "prog_strip": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
-                 S0_RANK1=False, S1_QUANT=True, S1_BITS=4, S1_RANK1=kind)
+                 S0_SCALE=False, S1_QUANT=True, S1_BITS=4, S1_SCALE=kind)
 stats = compile_kernel(rank1_stats_kernel, signature, constants, 90, 4)
 print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]))
 """
@@ -211,7 +211,7 @@ def test_matrix_scale_kernels_compile_for_sm90(dtype, kind):
         [str(ROOT), str(ROOT / "benchmarks")] + [p for p in [env.get("PYTHONPATH")] if p]
     )
     proc = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _RANK1, dtype, str(SCALE_KINDS.index(kind))],
+        [sys.executable, "-W", "ignore", "-c", _MATRIX_SCALES, dtype, str(SCALE_KINDS.index(kind))],
         capture_output=True,
         text=True,
         env=env,

@@ -171,28 +171,29 @@ def _load_tile(
     N_STATES: tl.constexpr = 2,
     W_QUANT: tl.constexpr = False,
     W_BITS: tl.constexpr = 8,
-    M_RANK1: tl.constexpr = False,
-    V_RANK1: tl.constexpr = False,
-    W_RANK1: tl.constexpr = False,
+    M_SCALE: tl.constexpr = 0,
+    V_SCALE: tl.constexpr = 0,
+    W_SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
 ):
-    """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes
-    and scales (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``:
-    ``n_valid`` is the whole tile or nothing (``triton_codec.load_codes``). A state with rank-1 scales (``M_RANK1``,
-    ...) reads the tensor as ``rows`` rows of ``cols``; its scales are each element's."""
+    """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes and scales
+    (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``: ``n_valid`` is the
+    whole tile or nothing (``triton_codec.load_codes``). A state whose scales are over the whole matrix (``M_SCALE``,
+    ...: 1 rank-1, 2 factored, their index in ``SCALE_KINDS``) reads the tensor as ``rows`` rows of ``cols``; its scales
+    (a factored state: its values) are each element's."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
     m_raw, m_scale = load_codes(
-        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_RANK1, rows, cols
+        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_SCALE, rows, cols
     )
     v_raw, v_scale = load_codes(
-        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_RANK1, rows, cols
+        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_SCALE, rows, cols
     )
     if N_STATES == 3:
         w_raw, w_scale = load_codes(
-            wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_RANK1, rows, cols
+            wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_SCALE, rows, cols
         )
         return (
             p,
@@ -282,9 +283,9 @@ def _update_tile(
     W_BITS: tl.constexpr = 8,
     W_SIGNED: tl.constexpr = True,
     W_FLAT: tl.constexpr = 0,
-    M_RANK1: tl.constexpr = False,
-    V_RANK1: tl.constexpr = False,
-    W_RANK1: tl.constexpr = False,
+    M_SCALE: tl.constexpr = 0,
+    V_SCALE: tl.constexpr = 0,
+    W_SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
     m_new=0,
@@ -302,10 +303,10 @@ def _update_tile(
     start = blk * BLOCK
     p = as_fp32(p, PARAM_DTYPE, WHOLE)
     g = as_fp32(g, GRAD_DTYPE, WHOLE)
-    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_RANK1)
-    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_RANK1)
+    m = load_state(m_raw, m_scale, m_values, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_SCALE)
+    v = load_state(v_raw, v_scale, v_values, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_SCALE)
     if N_STATES == 3:
-        w = load_state(w_raw, w_scale, w_values, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_RANK1)
+        w = load_state(w_raw, w_scale, w_values, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_SCALE)
 
     if MAXIMIZE:
         g = -g
@@ -318,7 +319,7 @@ def _update_tile(
     store_state(
         m,
         mc,
-        m_new if M_RANK1 else ms,
+        m_new if M_SCALE else ms,
         start,
         blk,
         local,
@@ -334,14 +335,14 @@ def _update_tile(
         M_SIGNED,
         M_FLAT,
         WHOLE,
-        M_RANK1,
+        M_SCALE,
         rows,
         cols,
     )
     store_state(
         v,
         vc,
-        v_new if V_RANK1 else vs,
+        v_new if V_SCALE else vs,
         start,
         blk,
         local,
@@ -357,7 +358,7 @@ def _update_tile(
         V_SIGNED,
         V_FLAT,
         WHOLE,
-        V_RANK1,
+        V_SCALE,
         rows,
         cols,
     )
@@ -365,7 +366,7 @@ def _update_tile(
         store_state(
             w,
             wc,
-            w_new if W_RANK1 else ws,
+            w_new if W_SCALE else ws,
             start,
             blk,
             local,
@@ -381,7 +382,7 @@ def _update_tile(
             W_SIGNED,
             W_FLAT,
             WHOLE,
-            W_RANK1,
+            W_SCALE,
             rows,
             cols,
         )
@@ -408,8 +409,8 @@ def adam_kernel(
     w_values,
     w_level1,
     w_level2,  # the third state's (None with two states)
-    rank1,  # int64 (n_tensors, 1 + N_STATES) with a state of rank-1 scales (None without): the rows of the tensor's
-    # matrix, then each state's new maxima (triton_rank1.rank1_stats_kernel's; 0 for a blockwise state)
+    rank1,  # int64 (n_tensors, 1 + N_STATES) with a state of scales over the matrix (None without): the rows of the
+    # tensor's matrix, then each state's new maxima or sums (triton_rank1.rank1_stats_kernel's; 0 for a blockwise state)
     PARAM_DTYPE: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -438,9 +439,9 @@ def adam_kernel(
     W_BITS: tl.constexpr = 8,
     W_SIGNED: tl.constexpr = True,
     W_FLAT: tl.constexpr = 0,  # the third state's, as M_QUANT, M_BITS, M_SIGNED and M_FLAT
-    M_RANK1: tl.constexpr = False,
-    V_RANK1: tl.constexpr = False,
-    W_RANK1: tl.constexpr = False,  # each state's scales: rank-1 (StateLayout.scale "rank1"), or one per block
+    M_SCALE: tl.constexpr = 0,
+    V_SCALE: tl.constexpr = 0,
+    W_SCALE: tl.constexpr = 0,  # each state's kind of scales (its index in SCALE_KINDS): 0 block, 1 rank-1, 2 factored
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
     # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
@@ -464,7 +465,7 @@ def adam_kernel(
         wc, ws = _codes_pointer(tl.load(row + 5), W_QUANT, W_BITS, ALIGNED), tl.load(row + 6)
     else:
         wc, ws = None, None
-    if M_RANK1 or V_RANK1 or W_RANK1:  # the tensor as a matrix, and the new maxima its rank-1 states are encoded with
+    if M_SCALE or V_SCALE or W_SCALE:  # the tensor as a matrix, and the new maxima its rank-1 states are encoded with
         info = rank1 + t * (1 + N_STATES)
         rows = tl.load(info)
         cols = numel // rows
@@ -503,9 +504,9 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
-            M_RANK1=M_RANK1,
-            V_RANK1=V_RANK1,
-            W_RANK1=W_RANK1,
+            M_SCALE=M_SCALE,
+            V_SCALE=V_SCALE,
+            W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
         )
@@ -547,9 +548,9 @@ def adam_kernel(
                 N_STATES=N_STATES,
                 W_QUANT=W_QUANT,
                 W_BITS=W_BITS,
-                M_RANK1=M_RANK1,
-                V_RANK1=V_RANK1,
-                W_RANK1=W_RANK1,
+                M_SCALE=M_SCALE,
+                V_SCALE=V_SCALE,
+                W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
             )
@@ -580,9 +581,9 @@ def adam_kernel(
                 N_STATES=N_STATES,
                 W_QUANT=W_QUANT,
                 W_BITS=W_BITS,
-                M_RANK1=M_RANK1,
-                V_RANK1=V_RANK1,
-                W_RANK1=W_RANK1,
+                M_SCALE=M_SCALE,
+                V_SCALE=V_SCALE,
+                W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
             )
@@ -632,9 +633,9 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
-            M_RANK1=M_RANK1,
-            V_RANK1=V_RANK1,
-            W_RANK1=W_RANK1,
+            M_SCALE=M_SCALE,
+            V_SCALE=V_SCALE,
+            W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
             W_SIGNED=W_SIGNED,
@@ -672,9 +673,9 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
-            M_RANK1=M_RANK1,
-            V_RANK1=V_RANK1,
-            W_RANK1=W_RANK1,
+            M_SCALE=M_SCALE,
+            V_SCALE=V_SCALE,
+            W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
         )
@@ -723,9 +724,9 @@ def adam_kernel(
             N_STATES=N_STATES,
             W_QUANT=W_QUANT,
             W_BITS=W_BITS,
-            M_RANK1=M_RANK1,
-            V_RANK1=V_RANK1,
-            W_RANK1=W_RANK1,
+            M_SCALE=M_SCALE,
+            V_SCALE=V_SCALE,
+            W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
             W_SIGNED=W_SIGNED,

@@ -19,8 +19,9 @@ from torchao_optim.state.layout import SCALE_KINDS
 
 TINY: tl.constexpr = tl.constexpr(2.0**-126)  # quant.blockwise.TINY
 LIFT: tl.constexpr = tl.constexpr(2.0**64)
-# A state's kind of scales, as the kernels' per-state RANK1 constexprs carry it: its index in StateLayout's SCALE_KINDS,
+# A state's kind of scales, as the kernels' per-state SCALE constexprs carry it: its index in StateLayout's SCALE_KINDS,
 # 0 (False) one scale per block, 1 (True) rank-1 maxima, FACTORED a factored state's row and column means
+RANK1: tl.constexpr = tl.constexpr(SCALE_KINDS.index("rank1"))
 FACTORED: tl.constexpr = tl.constexpr(SCALE_KINDS.index("factored"))
 
 
@@ -308,7 +309,7 @@ def load_codes(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr,
     WHOLE: tl.constexpr = False,
-    RANK1: tl.constexpr = False,
+    SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
 ):
@@ -322,12 +323,12 @@ def load_codes(
     nothing, they are one predicate for the tile and the loads stay vectors. ``WHOLE`` (the caller knows
     ``n_valid`` is the whole tile or nothing): 4-bit codes come as one word per run of ``VEC`` elements
     (``VEC // 2`` bytes, a thread's own), not byte by byte (a byte mask ``2 * offset < n_valid`` is a predicate
-    per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`). ``RANK1``: the
+    per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`). ``SCALE``: the
     state's scales are over a matrix of ``rows`` rows of ``cols`` (its kind's index in ``SCALE_KINDS``): 1, rank-1
     scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
     factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means), the values
     returned in place of the scales (:func:`factored_values`)."""
-    if QUANT and RANK1 == FACTORED:  # no codes: the values (the "scale") are the row mean times the column's
+    if QUANT and SCALE == FACTORED:  # no codes: the values (the "scale") are the row mean times the column's
         return local * 0, factored_values(scales, codes, cols, start, local, n_valid, BLOCK)
     elif QUANT:
         if BITS == 8:
@@ -338,7 +339,7 @@ def load_codes(
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
         raw = raw.to(tl.int32)
-        if RANK1:
+        if SCALE == RANK1:
             scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
         elif QBLOCK == BLOCK:
             scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
@@ -362,12 +363,12 @@ def load_state(
     BLOCK: tl.constexpr,
     VEC: tl.constexpr = 0,
     WHOLE: tl.constexpr = False,
-    RANK1: tl.constexpr = False,
+    SCALE: tl.constexpr = 0,
 ):
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
-    elements' values: the low nibble's in the low word). ``VEC``, ``WHOLE`` and ``RANK1``: :func:`load_codes`'."""
-    if QUANT and RANK1 == FACTORED:
+    elements' values: the low nibble's in the low word). ``VEC``, ``WHOLE`` and ``SCALE``: :func:`load_codes`'."""
+    if QUANT and SCALE == FACTORED:
         return scale
     elif QUANT:
         if BITS == 8:
@@ -377,7 +378,7 @@ def load_state(
         else:
             pair = tl.load(values.to(tl.pointer_type(tl.int64)) + raw)
             x = tl.interleave(pair.to(tl.int32), (pair >> 32).to(tl.int32)).to(tl.float32, bitcast=True)
-        if RANK1 or QBLOCK == BLOCK:  # a scale per element, or one for the tile
+        if SCALE == RANK1 or QBLOCK == BLOCK:  # a scale per element, or one for the tile
             x = x * scale
         else:  # (an early return would not spare this branch's compilation for a scalar scale)
             x = tl.reshape(_by_block(x, QBLOCK, BLOCK) * scale[:, None], (BLOCK,))
@@ -406,19 +407,19 @@ def store_state(
     SIGNED: tl.constexpr,
     FLAT: tl.constexpr = 0,
     WHOLE: tl.constexpr = False,
-    RANK1: tl.constexpr = False,
+    SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
 ):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
     the plain values. ``x`` is finite: the update never produces a non-finite state (it skips such elements),
-    so the compiled path's finiteness masks change nothing here. ``RANK1`` (rank-1 scales over a matrix of ``rows``
-    rows of ``cols``): ``scales`` are the new maxima, already taken over the whole matrix's new values (a first
+    so the compiled path's finiteness masks change nothing here. ``SCALE`` ``RANK1`` (rank-1 scales over a matrix of
+    ``rows`` rows of ``cols``): ``scales`` are the new maxima, already taken over the whole matrix's new values (a first
     pass, :mod:`~torchao_optim.kernels.triton_rank1`); only the codes of ``x`` over each element's scale are
     written."""
     mask = local < n_valid
-    if QUANT and RANK1 == FACTORED:
+    if QUANT and SCALE == FACTORED:
         pass  # no codes; the new means come from the first pass's sums, stored once every tile has decoded
     elif QUANT:
         magnitude = tl.where(mask, tl.abs(x), 0.0)
@@ -426,7 +427,7 @@ def store_state(
         # (exact), as quant.blockwise.normalize does. One block per tile: a branch, taken only by such a block,
         # so other tiles pay nothing. Several: the factor is per block, 1 for all others (a branch there would
         # hold both paths in registers: 9 more).
-        if RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
+        if SCALE == RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
             scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
             lift = tl.where(scale < TINY, LIFT, 1.0)
             y = (x * lift) * tl.div_rn(1.0, tl.where(scale > 0, scale * lift, 1.0))
@@ -466,7 +467,7 @@ def store_state(
                 mask=2 * half < n_valid,
             )
         scales = scales.to(tl.pointer_type(tl.float32))
-        if RANK1:
+        if SCALE == RANK1:
             pass  # the maxima are stored once every tile has decoded with the old ones
         elif QBLOCK == BLOCK:
             tl.store(scales + blk, absmax)

@@ -55,22 +55,23 @@ def _momentum_tile(
     S_FLAT: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     WHOLE: tl.constexpr = False,
-    S_RANK1: tl.constexpr = False,
+    S_SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
     s_new=0,
 ):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, the rule's arithmetic (``UPDATE`` with its
-    ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile
-    is whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words). ``S_RANK1``: the state has rank-1
-    scales over ``rows`` rows of ``cols``, decoded with its maxima and encoded with the new ones at ``s_new``."""
+    ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile is
+    whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words). ``S_SCALE``: the state's scales are over
+    ``rows`` rows of ``cols``: rank-1 (1), decoded with its maxima and encoded with the new ones at ``s_new``, or
+    factored (2), decoded from its means, no codes written."""
     start = blk * BLOCK
     p = as_fp32(load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE), PARAM_DTYPE, WHOLE)
     g = as_fp32(load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE), GRAD_DTYPE, WHOLE)
     raw, scale = load_codes(
-        sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_RANK1, rows, cols
+        sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_SCALE, rows, cols
     )
-    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_RANK1)
+    s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_SCALE)
 
     if MAXIMIZE:
         g = -g
@@ -80,7 +81,7 @@ def _momentum_tile(
     store_state(
         s,
         sc,
-        s_new if S_RANK1 else ss,
+        s_new if S_SCALE else ss,
         start,
         blk,
         local,
@@ -96,7 +97,7 @@ def _momentum_tile(
         S_SIGNED,
         S_FLAT,
         WHOLE,
-        S_RANK1,
+        S_SCALE,
         rows,
         cols,
     )
@@ -132,7 +133,7 @@ def momentum_kernel(
     PTX: tl.constexpr,
     S_SIGNED: tl.constexpr,
     S_FLAT: tl.constexpr = 0,  # the encoder's one-load shift (0: two loads; kernels.tables.flat_shift)
-    S_RANK1: tl.constexpr = False,  # the state's scales: rank-1 (StateLayout.scale "rank1"), or one per block
+    S_SCALE: tl.constexpr = 0,  # the state's kind of scales (its index in SCALE_KINDS): 0 block, 1 rank-1, 2 factored
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -150,7 +151,7 @@ def momentum_kernel(
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     sc = _codes_pointer(tl.load(row + 1), S_QUANT, S_BITS, ALIGNED)
     ss = tl.load(row + 2)
-    if S_RANK1:  # as in adam_kernel
+    if S_SCALE:  # as in adam_kernel
         rows = tl.load(rank1 + 2 * t)
         cols = numel // rows
         s_new = tl.load(rank1 + 2 * t + 1)
@@ -188,7 +189,7 @@ def momentum_kernel(
             S_FLAT,
             GRAD_DTYPE,
             True,
-            S_RANK1,
+            S_SCALE,
             rows,
             cols,
             s_new,
@@ -224,7 +225,7 @@ def momentum_kernel(
             S_FLAT,
             GRAD_DTYPE,
             False,
-            S_RANK1,
+            S_SCALE,
             rows,
             cols,
             s_new,

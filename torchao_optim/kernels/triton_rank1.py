@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
-from torchao_optim.kernels.triton_codec import FACTORED
+from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
 # A program reads a strip of STRIP_TILES tiles of TILE_ROWS rows by TILE_COLS columns, top to bottom: one atomic maximum
 # per row of a tile, one per column of the strip (its column maxima kept in registers down the strip). Measured on an
@@ -47,7 +47,7 @@ def _state_at(
     QUANT: tl.constexpr,
     BITS: tl.constexpr,
     QBLOCK: tl.constexpr,
-    RANK1: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     """The fp32 values of state ``K`` (its codes and scales at ``row[1 + 2K]``, ``row[2 + 2K]``: the tensor's row of the
     pointer table) at a tile's flat elements ``e`` (rows ``r``, columns ``c``: the tile's, as
@@ -55,7 +55,7 @@ def _state_at(
     for the byte of that nibble alone, so that the 16 values read lie in one 128-byte line) times its block's scale or
     its rank-1 scale (the tile's row and column maxima loaded once each); a plain state's values as they are."""
     codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
-    if QUANT and RANK1 == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
+    if QUANT and SCALE == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
         row_mean = tl.load(scales.to(tl.pointer_type(tl.float32)) + r, mask=r_ok, other=0.0)
         return row_mean[:, None] * tl.load(codes.to(tl.pointer_type(tl.float32)) + c, mask=c_ok, other=0.0)[None, :]
     elif QUANT:
@@ -67,7 +67,7 @@ def _state_at(
             nibble = (byte >> ((e & 1) * 4).to(tl.int32)) & 15
             x = tl.load(values.to(tl.pointer_type(tl.int32)) + 2 * nibble).to(tl.float32, bitcast=True)
         maxima = scales.to(tl.pointer_type(tl.float32))
-        if RANK1:
+        if SCALE == RANK1:
             row_max = tl.load(maxima + r, mask=r_ok, other=1.0)
             scale = tl.minimum(row_max[:, None], tl.load(maxima + rows + c, mask=c_ok, other=1.0)[None, :])
         else:
@@ -123,13 +123,13 @@ def rank1_stats_kernel(
     N_COEFS: tl.constexpr,
     S0_QUANT: tl.constexpr,
     S0_BITS: tl.constexpr,
-    S0_RANK1: tl.constexpr,
+    S0_SCALE: tl.constexpr,
     S1_QUANT: tl.constexpr = False,
     S1_BITS: tl.constexpr = 8,
-    S1_RANK1: tl.constexpr = False,
+    S1_SCALE: tl.constexpr = 0,
     S2_QUANT: tl.constexpr = False,
     S2_BITS: tl.constexpr = 8,
-    S2_RANK1: tl.constexpr = False,
+    S2_SCALE: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -157,34 +157,34 @@ def rank1_stats_kernel(
         g = tl.load(grad + e, mask=mask, other=0.0).to(tl.float32)
         if MAXIMIZE:
             g = -g
-        s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_RANK1)
+        s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
         if N_STATES == 1:
             p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
         else:
-            s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_RANK1)
+            s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
             if N_STATES == 2:
                 p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
             else:
-                s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_RANK1)
+                s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
                 p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-                if S2_RANK1 == FACTORED:
+                if S2_SCALE == FACTORED:
                     _fold_sums(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows)
-                elif S2_RANK1:
+                elif S2_SCALE == RANK1:
                     cols2 = _fold(s2, mask, tl.load(info + 3), r, r_ok, cols2)
-            if S1_RANK1 == FACTORED:
+            if S1_SCALE == FACTORED:
                 _fold_sums(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows)
-            elif S1_RANK1:
+            elif S1_SCALE == RANK1:
                 cols1 = _fold(s1, mask, tl.load(info + 2), r, r_ok, cols1)
-        if S0_RANK1 == FACTORED:
+        if S0_SCALE == FACTORED:
             _fold_sums(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows)
-        elif S0_RANK1:
+        elif S0_SCALE == RANK1:
             cols0 = _fold(s0, mask, tl.load(info + 1), r, r_ok, cols0)
     # the strip's column maxima: one atomic maximum per column and state
-    if S0_RANK1 == 1:
+    if S0_SCALE == RANK1:
         tl.atomic_max(tl.load(info + 1).to(tl.pointer_type(tl.int32)) + rows + c, cols0, mask=c_ok, sem="relaxed")
-    if S1_RANK1 == 1:
+    if S1_SCALE == RANK1:
         tl.atomic_max(tl.load(info + 2).to(tl.pointer_type(tl.int32)) + rows + c, cols1, mask=c_ok, sem="relaxed")
-    if S2_RANK1 == 1:
+    if S2_SCALE == RANK1:
         tl.atomic_max(tl.load(info + 3).to(tl.pointer_type(tl.int32)) + rows + c, cols2, mask=c_ok, sem="relaxed")
 
 

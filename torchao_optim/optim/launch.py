@@ -107,7 +107,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
             W_BITS=getattr(w_layout, "bits", 8),
             W_SIGNED=getattr(w_layout, "signed", True),
             W_FLAT=plan.flat[2],
-            W_RANK1=rank1[2],
+            W_SCALE=rank1[2],
         )
         tables = plan.tables
     else:
@@ -146,8 +146,8 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
         M_FLAT=plan.flat[0],
         V_FLAT=plan.flat[1],
         PDL=plan.pdl,
-        M_RANK1=rank1[0],
-        V_RANK1=rank1[1],
+        M_SCALE=rank1[0],
+        V_SCALE=rank1[1],
         **third,
         num_warps=plan.num_warps,
         **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
@@ -157,7 +157,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
 
 
 def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
-    """Each state's kind of scales, as the Triton kernels' ``RANK1`` constexprs take it (its index in
+    """Each state's kind of scales, as the Triton kernels' ``SCALE`` constexprs take it (its index in
     ``state.layout.SCALE_KINDS``: 0 one per block, 1 rank-1, 2 factored); where a state's scales are over the whole
     matrix, the first pass (``triton_rank1.rank1_stats_kernel``): their new maxima, into ``plan.maxima``, and their
     new sums, into ``plan.sums``, a factored state decoded with its columns over their mean (made first)."""
@@ -174,7 +174,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
     flags = {}
     for k, layout in enumerate(plan.layouts):
         flags.update(
-            {f"S{k}_QUANT": layout.quantized, f"S{k}_BITS": getattr(layout, "bits", 8), f"S{k}_RANK1": rank1[k]}
+            {f"S{k}_QUANT": layout.quantized, f"S{k}_BITS": getattr(layout, "bits", 8), f"S{k}_SCALE": rank1[k]}
         )
     rank1_stats_kernel[(len(plan.stats_tensor),)](
         plan.ptrs,
@@ -242,7 +242,7 @@ def _run_one_state(plan, hyperparams: Tensor, option: bool, maximize: bool, stoc
         PTX=not triton_interpreter(),
         S_SIGNED=getattr(layout, "signed", True),
         S_FLAT=plan.flat[0],
-        S_RANK1=rank1[0],
+        S_SCALE=rank1[0],
         num_warps=plan.num_warps,
     )
     _rank1_maxima(plan)
