@@ -182,7 +182,7 @@ _MATRIX_SCALES = """
 import sys
 import triton.language as tl
 from count_instructions import compile_adam, compile_kernel
-from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
+from torchao_optim.kernels.triton_rank1 import normalize_columns_kernel, rank1_stats_kernel
 from torchao_optim.rules import BUILT_IN_RULES
 
 dtype, kind = sys.argv[1], int(sys.argv[2])  # kind: exp_avg_sq's scales, 1 rank-1, 2 factored (SCALE_KINDS' index)
@@ -190,12 +190,13 @@ compiled, _ = compile_adam(dtype, 4, 128, 90, 2, rank1=kind)
 rule = next(r for r in BUILT_IN_RULES if r.name == "adam")
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "rank1": "*i64",
-             "prog_tensor": "*i32", "prog_strip": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
+             "prog_tensor": "*i32", "prog_tile": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
                  S0_SCALE=False, S1_QUANT=True, S1_BITS=4, S1_SCALE=kind)
 stats = compile_kernel(rank1_stats_kernel, signature, constants, 90, 4)
-print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]))
+columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
+print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))
 """
 
 
@@ -205,7 +206,7 @@ print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]))
 def test_matrix_scale_kernels_compile_for_sm90(dtype, kind):
     """Scales over a whole matrix on the Triton kernels ("4bit_rank1"'s and "factored4"'s ``exp_avg_sq``): the
     two-state kernel's form for each and the first pass that finds the new maxima or sums (its atomics, fp64 for
-    the sums) compile for sm_90 with their inline PTX."""
+    the sums) compile for sm_90 with their inline PTX, and so does the columns' normalization before it."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "benchmarks")] + [p for p in [env.get("PYTHONPATH")] if p]

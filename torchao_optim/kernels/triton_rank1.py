@@ -2,12 +2,14 @@
 
 A rank-1 scaled state is encoded with the row and column maxima of its new values over the whole matrix, so those
 maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update (the
-same ``UPDATE`` the step kernel inlines) on a matrix's strips of ``COLS`` columns, ``ROWS`` rows at a time down
-``STRIP`` tiles, stores nothing of it, and folds each rank-1 state's new magnitudes into the maxima: one atomic
-maximum per row of a tile, and one per column of a strip, whose maxima stay in registers down the strip. The step
-kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old maxima, encodes with
-these, and the plan copies them into the states last. Only what the rank-1 states' new values depend on is read
-here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the gradient and its own codes).
+same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, stores nothing of
+it, and folds each rank-1 state's new magnitudes into the maxima, one atomic maximum per row and per column of a tile,
+and each factored state's new values into fp64 row and column sums, one atomic addition per row and per column. The
+step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old maxima or means,
+encodes with the new maxima, and the plan stores the new statistics into the states last. Only what those states'
+new values depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the
+gradient and its own codes). :func:`normalize_columns_kernel` makes a factored state's columns over their mean before
+this pass.
 
 Elements are addressed one by one (row times ``cols`` plus column), each state decoded as ``triton_codec`` decodes
 it: a code's value times its scale, the same product the step kernel takes.
@@ -22,14 +24,12 @@ import triton.language as tl
 from torchao_optim.kernels.triton_adam import _load_row
 from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
-# A program reads a strip of STRIP_TILES tiles of TILE_ROWS rows by TILE_COLS columns, top to bottom: one atomic maximum
-# per row of a tile, one per column of the strip (its column maxima kept in registers down the strip). Measured on an
-# H100 (TinyLlama-1.1B, "4bit_rank1"): strips of 16 tiles 11.2 ms, of one tile 8.9 ms: fewer atomics do not pay for
-# the loop's fewer programs in flight.
-TILE_ROWS, TILE_COLS, STRIP_TILES = 16, 128, 1
+# A program reads one tile. Measured on an H100 (TinyLlama-1.1B, "4bit_rank1"): strips of 16 tiles down a column,
+# their column maxima kept in registers (16 times fewer atomics), took 11.2 ms against 8.9 ms for single tiles: the
+# atomics are not the bound, the loads through L1 are.
+TILE_ROWS, TILE_COLS = 16, 128
 ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
 COLS: tl.constexpr = tl.constexpr(TILE_COLS)
-STRIP: tl.constexpr = tl.constexpr(STRIP_TILES)
 
 
 @triton.jit
@@ -78,26 +78,24 @@ def _state_at(
 
 
 @triton.jit
-def _fold_sums(x, mask, sums, r, c, r_ok, c_ok, rows):
-    """Add the tile's ``where(isfinite(x) & (x > 0), x, 0)`` in fp64 into ``sums`` (fp64: the row sums, then the column
-    sums of a factored state's new values), one atomic addition per row and per column of the tile. The order of the
-    additions varies; an fp64 sum of fp32 values rounds to the same fp32 mean whatever the order, but where the exact
-    mean lies within the sum's rounding of an fp32 rounding boundary (state/factored.py)."""
-    v = tl.where(mask & (x > 0.0) & (x <= 3.4028234663852886e38), x, 0.0).to(tl.float64)
-    out = sums.to(tl.pointer_type(tl.float64))
-    tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
-    tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")
-
-
-@triton.jit
-def _fold(x, mask, new, r, r_ok, cols_max):
-    """Fold the maxima of ``where(isfinite(x), |x|, 0)`` over the tile's rows into ``new`` (fp32, the row maxima) as
-    int32 patterns (non-negative floats order as their bits), one atomic maximum per row; return ``cols_max`` (int32
-    patterns, the strip's column maxima so far) raised by the tile's columns."""
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
-    tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
-    return tl.maximum(cols_max, tl.max(bits, axis=0))
+def _fold(x, mask, new, r, c, r_ok, c_ok, rows, SCALE: tl.constexpr):
+    """Fold a tile's new values of a state into its statistics at ``new`` (the rows', then the columns'): rank-1, the
+    maxima of ``where(isfinite(x), |x|, 0)`` as int32 patterns (non-negative floats order as their bits), one atomic
+    maximum per row and per column; factored, ``where(isfinite(x) & (x > 0), x, 0)`` added in fp64, one atomic
+    addition per row and per column. The order of the additions varies; an fp64 sum of fp32 values rounds to the same
+    fp32 mean whatever the order, but where the exact mean lies within the sum's rounding of an fp32 rounding boundary
+    (state/factored.py)."""
+    if SCALE == FACTORED:
+        v = tl.where(mask & (x > 0.0) & (x <= 3.4028234663852886e38), x, 0.0).to(tl.float64)
+        out = new.to(tl.pointer_type(tl.float64))
+        tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
+        tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")
+    else:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
+        out = new.to(tl.pointer_type(tl.int32))
+        tl.atomic_max(out + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
+        tl.atomic_max(out + rows + c, tl.max(bits, axis=0), mask=c_ok, sem="relaxed")
 
 
 @triton.jit
@@ -106,9 +104,10 @@ def rank1_stats_kernel(
     grad_ptrs,  # int64 (n_tensors,)
     numels,  # int64 (n_tensors,)
     coefs,  # fp32 (n_tensors, N_COEFS): the rule's coefficient rows, already written
-    rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima (zeroed; 0: blockwise)
+    rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima or sums (zeroed; 0:
+    # blockwise)
     prog_tensor,  # int32 (n_programs,): which tensor each program reads
-    prog_strip,  # int32 (n_programs,): which of its strips (row-major over strips of STRIP * ROWS rows x COLS)
+    prog_tile,  # int32 (n_programs,): which of its tiles (row-major over tiles of ROWS x COLS)
     s0_values,
     s1_values,
     s2_values,  # each state's decode table (kernels.tables.layout_tables; None past N_STATES)
@@ -133,69 +132,71 @@ def rank1_stats_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    strip = tl.load(prog_strip + pid)
+    tile = tl.load(prog_tile + pid)
     row = ptrs + t * (1 + 2 * N_STATES)
     info = rank1 + t * (1 + N_STATES)
     rows = tl.load(info)
     cols = tl.load(numels + t) // rows
     per_row = tl.cdiv(cols, COLS)
-    first = (strip // per_row).to(tl.int64) * (STRIP * ROWS)
-    c = (strip % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
-    c_ok = c < cols
+    r = (tile // per_row).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
+    r_ok, c_ok = r < rows, c < cols
+    mask = r_ok[:, None] & c_ok[None, :]
+    e = r[:, None] * cols + c[None, :]
+    p = tl.load(tl.load(row).to(tl.pointer_type(PARAM_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
-    param = tl.load(row).to(tl.pointer_type(PARAM_DTYPE))
-    grad = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
-    cols0 = tl.zeros([COLS], dtype=tl.int32)
-    cols1 = tl.zeros([COLS], dtype=tl.int32)
-    cols2 = tl.zeros([COLS], dtype=tl.int32)
-    for i in range(tl.minimum(STRIP, tl.cdiv(rows - first, ROWS))):
-        r = first + i * ROWS + tl.arange(0, ROWS)
-        r_ok = r < rows
-        mask = r_ok[:, None] & c_ok[None, :]
-        e = r[:, None] * cols + c[None, :]
-        p = tl.load(param + e, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + e, mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
-        s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
-        if N_STATES == 1:
-            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
+    if N_STATES == 1:
+        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    else:
+        s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
+        if N_STATES == 2:
+            p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
         else:
-            s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
-            if N_STATES == 2:
-                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
-            else:
-                s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
-                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-                if S2_SCALE == FACTORED:
-                    _fold_sums(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows)
-                elif S2_SCALE == RANK1:
-                    cols2 = _fold(s2, mask, tl.load(info + 3), r, r_ok, cols2)
-            if S1_SCALE == FACTORED:
-                _fold_sums(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows)
-            elif S1_SCALE == RANK1:
-                cols1 = _fold(s1, mask, tl.load(info + 2), r, r_ok, cols1)
-        if S0_SCALE == FACTORED:
-            _fold_sums(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows)
-        elif S0_SCALE == RANK1:
-            cols0 = _fold(s0, mask, tl.load(info + 1), r, r_ok, cols0)
-    # the strip's column maxima: one atomic maximum per column and state
-    if S0_SCALE == RANK1:
-        tl.atomic_max(tl.load(info + 1).to(tl.pointer_type(tl.int32)) + rows + c, cols0, mask=c_ok, sem="relaxed")
-    if S1_SCALE == RANK1:
-        tl.atomic_max(tl.load(info + 2).to(tl.pointer_type(tl.int32)) + rows + c, cols1, mask=c_ok, sem="relaxed")
-    if S2_SCALE == RANK1:
-        tl.atomic_max(tl.load(info + 3).to(tl.pointer_type(tl.int32)) + rows + c, cols2, mask=c_ok, sem="relaxed")
+            s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
+            p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+            if S2_SCALE:
+                _fold(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows, S2_SCALE)
+        if S1_SCALE:
+            _fold(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows, S1_SCALE)
+    if S0_SCALE:
+        _fold(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows, S0_SCALE)
+
+
+@triton.jit
+def normalize_columns_kernel(
+    columns,  # int64 (n, 3): a factored state's column means' address, the address of its columns over their mean,
+    # its column count
+    BLOCK: tl.constexpr,
+):
+    """One program per factored matrix: its column means over their mean (an fp64 sum over the columns, rounded to
+    fp32; 0 where that mean is not positive), as the C step and ``FactoredState``'s dequantize make them."""
+    entry = columns + tl.program_id(0) * 3
+    src = tl.load(entry).to(tl.pointer_type(tl.float32))
+    dst = tl.load(entry + 1).to(tl.pointer_type(tl.float32))
+    n = tl.load(entry + 2)
+    total = tl.zeros([BLOCK], dtype=tl.float64)
+    for start in range(0, n, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        total += tl.load(src + at, mask=at < n, other=0.0).to(tl.float64)
+    mean = (tl.sum(total, axis=0) / n.to(tl.float64)).to(tl.float32)
+    for start in range(0, n, BLOCK):
+        at = start + tl.arange(0, BLOCK)
+        x = tl.load(src + at, mask=at < n, other=0.0)
+        tl.store(dst + at, tl.where(mean > 0.0, tl.div_rn(x, tl.where(mean > 0.0, mean, 1.0)), 0.0), mask=at < n)
 
 
 def stats_programs(numels, rows) -> tuple:
-    """``(prog_tensor, prog_strip)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
-    elements read as ``rows`` rows each (lists of ints): every strip of every matrix, one program each."""
+    """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
+    elements read as ``rows`` rows each (lists of ints): every tile of every matrix, one program each."""
     import torch
 
-    tensors, strips = [], []
+    tensors, tiles = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // (TILE_ROWS * STRIP_TILES)) * -(-(n // r) // TILE_COLS)
+        count = -(-r // TILE_ROWS) * -(-(n // r) // TILE_COLS)
         tensors.append(torch.full((count,), t, dtype=torch.int32))
-        strips.append(torch.arange(count, dtype=torch.int32))
-    return torch.cat(tensors), torch.cat(strips)
+        tiles.append(torch.arange(count, dtype=torch.int32))
+    return torch.cat(tensors), torch.cat(tiles)

@@ -335,7 +335,7 @@ class GroupPlan:
         # each factored matrix's columns over their mean, at 16-byte boundaries (the kernels' codes addresses are)
         spans = [-(-c // 4) * 4 for c in cols]
         self.columns = torch.zeros(sum(spans) * sum(factored), device=device)
-        table, ptrs, self.stats_into, self.stats_from, self.column_means = [], self.ptrs.cpu(), [], [], []
+        table, ptrs, self.stats_into, self.stats_from, column_rows = [], self.ptrs.cpu(), [], [], []
         at_max = at_sum = at_col = 0
         for t, state in enumerate(states):
             r, c = rows[t], cols[t]
@@ -350,7 +350,7 @@ class GroupPlan:
                     self.stats_into += [getattr(x, self.layouts[k].scales), getattr(x, self.layouts[k].codes)]
                     self.stats_from += [(at_sum, r), (at_sum + r, c)]
                     columns = self.columns[at_col : at_col + c]
-                    self.column_means.append((getattr(x, self.layouts[k].codes), columns))
+                    column_rows.append((getattr(x, self.layouts[k].codes).data_ptr(), columns.data_ptr(), c))
                     ptrs[t, 1 + 2 * k] = columns.data_ptr()
                     at_sum, at_col = at_sum + r + c, at_col + spans[t]
                 else:
@@ -361,20 +361,23 @@ class GroupPlan:
                     at_max += r + c
             table.append(entry)
         self.divisors = divisors
+        # (column means, their columns over their mean, column count) per factored matrix: normalize_columns' table
+        self.column_table = torch.tensor(column_rows, dtype=torch.int64).to(device) if column_rows else None
         self.means = torch.empty(self.sums.shape, device=device)
         # a factored state's new means, as views of ``means`` ((offset, length) so far)
         self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        self.stats_tensor, self.stats_strip = (x.to(device) for x in stats_programs(numels, rows))
+        self.stats_tensor, self.stats_tile = (x.to(device) for x in stats_programs(numels, rows))
         self.maxnreg = None  # the caps were measured on blockwise scales
 
     def normalize_columns(self) -> None:
-        """Each factored matrix's column means over their mean (an fp64 sum over the columns, rounded to fp32; 0 where
-        it is not positive), into ``columns``, which the kernels read in place of codes: as the C step makes them."""
-        for col_mean, out in self.column_means:
-            mean = (col_mean.to(torch.float64).sum() / col_mean.numel()).to(torch.float32)
-            torch.where(mean > 0, col_mean / mean, torch.zeros((), device=out.device), out=out)
+        """Each factored matrix's column means over their mean into ``columns``, which the kernels read in place of
+        codes, as the C step makes them: one launch of ``triton_rank1.normalize_columns_kernel``."""
+        if self.column_table is not None:
+            from torchao_optim.kernels.triton_rank1 import normalize_columns_kernel
+
+            normalize_columns_kernel[(len(self.column_table),)](self.column_table, BLOCK=1024, num_warps=4)
 
     def store_statistics(self) -> None:
         """The new maxima and means become the states' own, once every tile has decoded with the old ones."""

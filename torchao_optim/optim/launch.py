@@ -183,7 +183,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         plan.coefs,
         plan.rank1,
         plan.stats_tensor,
-        plan.stats_strip,
+        plan.stats_tile,
         *decode,
         PARAM_DTYPE=plan.param_dtype,
         GRAD_DTYPE=plan.grad_dtype,
