@@ -19,7 +19,8 @@ edit. Names:
   ``SGDTorchQuantized`` (``quantize_optimizer_state`` over ``torch.optim.SGD(foreach=True)``),
   ``AdamWTorchQuantized`` (the same over
   ``torch.optim.AdamW(foreach=True)``), ``Lion`` / ``Lion8bit`` (``Lion8bit(state_format="none")`` / default),
-  ``Muon`` / ``Muon8bit``, ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` / ``RMSprop8bit`` (momentum 0.9; torch's
+  ``Muon`` / ``Muon8bit`` (``Muon8bitCompiled``: ``fused=False``), ``Adagrad`` / ``Adagrad8bit`` and ``RMSprop`` /
+  ``RMSprop8bit`` (momentum 0.9; torch's
   with ``foreach=True``), centered: ``RMSpropCentered`` / ``RMSpropCentered8bit`` (momentum 0.9) and
   ``RMSpropCenteredNoMomentum`` / ``RMSpropCenteredNoMomentum8bit``, ``AdEMAMix`` / ``AdEMAMix8bit``
   (``AdEMAMix8bit(state_format="none")`` / default, with its own betas), and bitsandbytes' ``SGDBnb8bit``,
@@ -131,7 +132,7 @@ def _other_rules() -> list[OptimizerEntry]:
             ps, lr=lr, weight_decay=wd, **kw
         )
 
-    def muon(state_format):
+    def muon(state_format, fused=None):
         def make(params, lr, weight_decay, betas, eps, compile):
             return o.Muon8bit(
                 params,
@@ -140,6 +141,7 @@ def _other_rules() -> list[OptimizerEntry]:
                 adjust_lr_fn="match_rms_adamw",
                 state_format=state_format,
                 compile=compile,
+                fused=fused,
             )
 
         return make
@@ -200,6 +202,7 @@ def _other_rules() -> list[OptimizerEntry]:
         OptimizerEntry("LionBnb8bit", "bitsandbytes.optim.Lion8bit", _scaled(bnb_rule("Lion8bit"), 1 / 3), bnb),
         OptimizerEntry("Muon", "torchao_optim.Muon8bit(state_format='none') (fp32 state)", muon("none"), None, "none"),
         OptimizerEntry("Muon8bit", "torchao_optim.Muon8bit", muon("dtq8"), None, "dtq8"),
+        OptimizerEntry("Muon8bitCompiled", "torchao_optim.Muon8bit(fused=False)", muon("dtq8", False), None, "dtq8"),
         OptimizerEntry(
             "Adagrad",
             "torch.optim.Adagrad (foreach)",

@@ -768,8 +768,8 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
     n_params = sum(1 for _ in Net(case.dims).parameters())
     # rank-1 scaled and factored states (the never-negative state of a matrix in ROW_SCALED formats): the
     # per-parameter path, which all-reduces their column statistics, on every rank and executor (as on one process,
-    # where the fused kernels do not read them); Muon's orthogonalized matrices too (no fused kernel runs Muon);
-    # every other parameter the fused C step
+    # where the fused kernels do not read them); Muon's orthogonalized matrices too (their rows are split across
+    # ranks: the per-parameter path gathers each for Newton-Schulz); every other parameter the fused C step
     unsigned = UNSIGNED_KEY.get(case.opt, "exp_avg_sq")
     rank1 = sum(1 for k, v in ours.items() if k.endswith("." + unsigned) and getattr(v, "rows", 0))
     n_muon = len(MUON_MATRICES) if case.opt == "Muon8bit" else 0

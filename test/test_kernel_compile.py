@@ -79,11 +79,11 @@ import triton.language as tl
 from benchmarks.count_instructions import compile_kernel
 from torchao_optim.kernels.triton_momentum import momentum_kernel
 from torchao_optim.kernels.tables import flat_shift
-from torchao_optim.rules import ADAGRAD, LION, RMSPROP, SGD
+from torchao_optim.rules import ADAGRAD, LION, MUON, RMSPROP, SGD
 from torchao_optim.state import get_state_format
 
 dtype, bits = sys.argv[1], int(sys.argv[2])
-rule = {"sgd": SGD, "lion": LION, "adagrad": ADAGRAD, "rmsprop": RMSPROP}[sys.argv[3]]
+rule = {"sgd": SGD, "lion": LION, "adagrad": ADAGRAD, "rmsprop": RMSPROP, "muon": MUON}[sys.argv[3]]
 signed = rule.signed[0]
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "prog_tensor": "*i32",
@@ -101,12 +101,14 @@ print(len(compile_kernel(momentum_kernel, signature, constants).asm["cubin"]))
 @pytest.mark.skipif(not _backend_tools(), reason="Triton with its CUDA backend's tools is not installed")
 @pytest.mark.parametrize(
     "dtype,bits,rule",
-    [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"), ("bf16", 4, "sgd")]
+    # Muon's: its direction written as fp32 parameters are, with NaN where an element is skipped
+    [("fp32", 8, "sgd"), ("bf16", 8, "lion"), ("fp32", 4, "lion"), ("bf16", 4, "sgd"), ("fp32", 8, "muon")]
     # Adagrad's and RMSprop's tile updates, with an unsigned state (about 8 s each: --runslow)
     + [pytest.param(*c, marks=pytest.mark.slow) for c in [("fp32", 8, "adagrad"), ("bf16", 4, "rmsprop")]],
 )
 def test_momentum_kernel_compiles_for_sm90(dtype, bits, rule):
-    """The one-state kernel (SGD with momentum, Lion, Adagrad, RMSprop), with its inline PTX, compiles too."""
+    """The one-state kernel (SGD with momentum, Lion, Adagrad, RMSprop, Muon's momentum), with its inline PTX, compiles
+    too."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
     proc = subprocess.run(

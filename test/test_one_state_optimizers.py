@@ -173,9 +173,11 @@ def test_capturable_step_replays_in_a_cuda_graph(name):
 
 @pytest.mark.skipif(not (torch.cuda.is_available() and fused_available("cuda")), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", FUSED_ONE_AND_TWO_STATE)
+@pytest.mark.parametrize("name", FUSED_ONE_AND_TWO_STATE + ["Muon8bit"])
 def test_fused_matches_compiled_path_on_cuda(name, dtype):
-    """The one-state kernel (RMSprop with momentum: the two-state one) against the compiled path, 20 steps. They
+    """The one-state kernel (RMSprop with momentum: the two-state one; Muon8bit: the one-state kernel writing the
+    directions Newton-Schulz orthogonalizes, and the two-state one for its AdamW fallback) against the compiled
+    path, 20 steps. They
     round differently (FMA), so a state value within rounding of a midpoint between two codes may take either code
     (test_cuda.py's bound for Adam: under 2% of the codes differ), and a Lion direction within rounding of 0 may
     take either sign; a wrong kernel differs almost everywhere. Parameters: mean difference under 2% of how far
@@ -209,24 +211,40 @@ def test_fused_matches_compiled_path_on_cuda(name, dtype):
 
 
 @pytest.mark.skipif(not cpu_kernels_available(), reason="needs a C compiler for the fused CPU step")
-def test_muon_adamw_fallback_takes_the_fused_path():
-    """Muon8bit's AdamW parameters are planned by Adam's fused kernels (here the fused CPU step) with AdamW's
-    hyperparameters; its matrices take the compiled path (run eagerly here, compile=False: the same arithmetic,
-    StateFormatTestCase's compiled-equals-eager). Against fused=False: the same matrices, and the AdamW
-    parameters' codes bit for bit (the fused step's arithmetic is the update's)."""
-    shapes = ((64, 96), (96,), (5000,))
-    a, b = params(*shapes), params(*shapes)
-    kw = dict(lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), min_quant_size=0, compile=False)
+@pytest.mark.parametrize("fmt", ["dtq8", "4bit", "none"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(nesterov=False, maximize=True), dict(bf16_stochastic_round=True)],
+    ids=["nesterov", "plain_maximize", "bf16_stochastic_round"],
+)
+def test_muon_takes_the_fused_path(kw, fmt):
+    """Muon8bit on the fused CPU step: its matrices' momentum in one plan of Muon's rule (which writes the directions
+    Newton-Schulz then orthogonalizes), its AdamW parameters in Adam's, with each rule's hyperparameters. Against
+    fused=False run eagerly (compile=False: the same arithmetic, StateFormatTestCase's compiled-equals-eager): the
+    parameters and the momentum codes bit for bit, a non-finite gradient element skipped alike (its parameter and
+    buffer kept, 0 in the direction), bf16 parameters rounded stochastically alike."""
+    shapes = ((64, 96), (96, 33), (96,), (5000,))
+    dtype = torch.bfloat16 if kw.get("bf16_stochastic_round") else torch.float32
+    a, b = ([torch.nn.Parameter(p.detach().to(dtype)) for p in params(*shapes)] for _ in range(2))
+    kw = dict(kw, lr=1e-2, weight_decay=0.1, adamw_betas=(0.8, 0.9), state_format=fmt, min_quant_size=0, compile=False)
     oa, ob = Muon8bit(a, **kw), Muon8bit(b, fused=False, **kw)
-    for k in range(3):
+    for k in range(4):
         for p, q in zip(a, b):
-            p.grad = q.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(k))
+            if k == 2:
+                g.view(-1)[3], g.view(-1)[-1] = float("nan"), float("inf")
+            p.grad, q.grad = g.to(dtype), g.to(dtype)
         oa.step()
         ob.step()
     plans = [plan for cache in oa._plans.values() for plan in cache["plans"]]
-    assert sorted(len(plan.params) for plan in plans) == [2] and not ob._plans
+    assert sorted((plan.rule.name, len(plan.params)) for plan in plans) == [("adam", 2), ("muon", 2)]
+    assert all(cache["rest"] == [] for cache in oa._plans.values()) and not ob._plans
     for p, q in zip(a, b):
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        assert torch.equal(p, q) and p.isfinite().all()
         for key, s in oa.state[p].items():
+            t = ob.state[q][key]
             if isinstance(s, torchao_optim.QuantizedState):
-                assert torch.equal(s.codes, ob.state[q][key].codes), key
+                names, _ = s.__tensor_flatten__()
+                assert all(torch.equal(getattr(s, n), getattr(t, n)) for n in names), key
+            else:
+                assert torch.equal(s, t), key

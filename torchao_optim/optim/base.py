@@ -214,7 +214,8 @@ class LowBitOptimizer(torch.optim.Optimizer):
             self._step_one(p, state, group, row, key)
 
     def _fused_rule(self, group) -> FusedRule | None:
-        """The fused kernel's rule for this group, or None where none implements it."""
+        """The fused kernel's rule for this group, or None where none implements it; or a callable giving each
+        parameter's rule (``fused.rule_for``), where a group's parameters take different rules (Muon8bit's)."""
         return None
 
     def _initial_state_value(self, group, key: str) -> float:
@@ -235,8 +236,19 @@ class LowBitOptimizer(torch.optim.Optimizer):
 
     def _fused_hyperparams(self, group, device: torch.device) -> Tensor:
         """The hyperparameters the fused kernels of ``_fused_rule(group)`` read: :meth:`_hyperparams` unless the
-        optimizer's own differ from the rule's (Muon8bit's AdamW fallback)."""
+        optimizer's own differ from the rule's."""
         return self._hyperparams(group, device)
+
+    def _launch_settings(self, group, device: torch.device, rule: FusedRule) -> tuple[Tensor, dict[str, Any]]:
+        """``(hyperparameters, launch flags)`` of a plan of ``rule`` on ``device``: :meth:`_fused_hyperparams` and
+        :meth:`_launch_flags`, the group's, where ``_fused_rule(group)`` is one rule; an optimizer whose group runs
+        several (Muon8bit) gives each rule its own."""
+        return self._fused_hyperparams(group, device), self._launch_flags(group)
+
+    def _step_directions(self, group, plans: list) -> None:
+        """After the launches of ``plans``, whose rule's output is a direction (``FusedRule.output``), the update of
+        their parameters from the directions the kernels wrote (``plan.directions``): Muon8bit orthogonalizes them."""
+        raise NotImplementedError(f"{type(self).__name__} runs no rule whose output is a direction")
 
     # ---- what every part asks of the optimizer --------------------------------------------------------------
     def _signed(self, key: str) -> bool:

@@ -89,11 +89,12 @@ def step_group(optimizer, group, params: list[Tensor], states: list[dict], plan_
     be replayed from a CUDA graph."""
     rest = range(len(params))
     rule = optimizer._fused_rule(group) if params and optimizer._fused else None
-    flags = dict(optimizer._launch_flags(group), stochastic_round=group["bf16_stochastic_round"])
+    rounding_flag = dict(stochastic_round=group["bf16_stochastic_round"])
     if rule is not None and optimizer._offload_state:
         offloaded = [i for i in rest if offloads(optimizer, params[i])]
         if offloaded:
             chosen = ([params[i] for i in offloaded], [states[i] for i in offloaded])
+            flags = dict(optimizer._launch_flags(group), **rounding_flag)
             optimizer._offload.step(optimizer, group, *chosen, rule, plan_cache, flags)
         rest, rule = [i for i in rest if not offloads(optimizer, params[i])], None  # the others: compiled path
     plans = []
@@ -119,7 +120,10 @@ def step_group(optimizer, group, params: list[Tensor], states: list[dict], plan_
 
     def work():
         for plan in plans:
-            plan.launch(optimizer._fused_hyperparams(group, plan.params[0].device), refresh=False, **flags)
+            hyperparams, flags = optimizer._launch_settings(group, plan.params[0].device, plan.rule)
+            plan.launch(hyperparams, refresh=False, **flags, **rounding_flag)
+        if any(plan.directions is not None for plan in plans):
+            optimizer._step_directions(group, [plan for plan in plans if plan.directions is not None])
         if compiled[0]:
             step_compiled(optimizer, *compiled, group)
 

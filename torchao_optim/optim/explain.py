@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from torchao_optim.optim.fused import fused_executor, unfused_reason
+from torchao_optim.optim.fused import fused_executor, rule_for, unfused_reason
 from torchao_optim.optim.sharded import local
 from torchao_optim.optim.state_form import block_size_for, format_for, new_state_tensor, offloads, plain_state_dtype
 
@@ -46,7 +46,7 @@ def route(optimizer, p: Tensor, group) -> tuple[str, str, str]:
     words = _state_words(p, group)
     if not keys:
         return "no state to update", words, ""
-    rule = optimizer._fused_rule(group) if optimizer._fused else None
+    rule = rule_for(optimizer._fused_rule(group), p) if optimizer._fused else None
     why = unfused_reason(p, grad, states, rule, optimizer._interpreter)
     own = optimizer._unfused_param_reason(group, p)
     if optimizer._fused and own is not None:

@@ -36,7 +36,7 @@ from torchao_optim.optim.snapshot import StateSnapshot, storages
 from torchao_optim.rules import FusedRule
 from torchao_optim.state.layout import PLAIN_FP32
 
-__all__ = ["fused_available", "GroupPlan", "plan_group", "check_state_shapes", "triton_refusal"]
+__all__ = ["fused_available", "GroupPlan", "plan_group", "rule_for", "check_state_shapes", "triton_refusal"]
 
 _GRAD = operator.attrgetter("grad")
 ITERS = 8  # register tiles per program, walked one at a time
@@ -125,7 +125,15 @@ def plan_key(p: Tensor, state, rule: FusedRule | None, interpreter: bool = False
     if why is not None:
         return None
     blocks = {x.block_size for x in layouts if x.quantized}
-    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, p.dtype, grad.dtype, executor)
+    # a rule whose output is a direction writes it in fp32, whatever the parameter's dtype
+    dtype = p.dtype if rule.output == "param" else torch.float32
+    return (rule, layouts, blocks.pop() if blocks else FP32_BLOCK, p.device, dtype, grad.dtype, executor)
+
+
+def rule_for(rule, p: Tensor) -> FusedRule | None:
+    """The rule that updates ``p``: an optimizer's ``_fused_rule(group)`` gives one rule for its group, or a callable
+    that picks each parameter's (Muon8bit's: Muon for the matrices it orthogonalizes, AdamW for the rest)."""
+    return rule(p) if callable(rule) else rule
 
 
 def unfused_reason(p: Tensor, grad: Tensor, state, rule: FusedRule | None, interpreter: bool = False) -> str | None:
@@ -248,10 +256,14 @@ class GroupPlan:
         )
         # the caps were measured on the two-state kernel; the one-state kernel takes the compiler's choice
         self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if len(self.layouts) == 2 else None
-        # one row per parameter: its address, then (codes or values, scales) of each state the rule carries
+        # A rule whose output is a direction (FusedRule.output) writes it into a buffer of the plan's, one fp32 tensor
+        # per parameter at a 16-byte boundary (the kernels' vector loads), read by the optimizer after the launch.
+        self.directions = self._direction_buffers(shards, device) if self.rule.output == "direction" else None
+        written = shards if self.directions is None else self.directions
+        # one row per parameter: its address (or its direction's), then (codes or values, scales) of each state
         pointed = [
-            [p] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
-            for p, s in zip(shards, states)
+            [w] + [x for k, layout in zip(self.rule.state_keys, self.layouts) for x in _fields(s[k], layout)]
+            for w, s in zip(written, states)
         ]
         rows = [list(map(_address, row)) for row in pointed]
         # the memory the tables point at stays allocated while the plan lives, whatever is done to the tensors
@@ -305,6 +317,15 @@ class GroupPlan:
         )
         self.bf16 = param_dtype == torch.bfloat16
         self.vec = 16 // param_dtype.itemsize  # elements of a 16-byte vector of the parameter: the kernels' layout
+
+    @staticmethod
+    def _direction_buffers(shards: list[Tensor], device: torch.device) -> list[Tensor]:
+        """One fp32 buffer for the directions of ``shards``, as a view per tensor of its shape, each starting at a
+        16-byte boundary."""
+        spans = [-(-s.numel() // 4) * 4 for s in shards]
+        flat = torch.empty(sum(spans), dtype=torch.float32, device=device)
+        starts = [sum(spans[:i]) for i in range(len(spans))]
+        return [flat[a : a + s.numel()].view(s.shape) for a, s in zip(starts, shards)]
 
     def _plan_rank1(self, shards: list[Tensor], states: list[dict], device: torch.device) -> None:
         """What the Triton kernels read for states with scales over a whole matrix (rank-1 maxima, factored means):
@@ -552,13 +573,14 @@ def plan_group(
     cache: dict,
     params: list[Tensor],
     states: list[dict],
-    rule: FusedRule | None,
+    rule,
     interpreter: bool = False,
     rounding=None,
 ) -> tuple[list[GroupPlan], list[int]]:
     """The plans covering what the fused kernels can update in ``params`` with ``rule`` (reused from ``cache``
     while the same parameters have gradients under the same rule), and the indexes of the parameters left to
-    the compiled path."""
+    the compiled path. ``rule``: a :class:`FusedRule`, None, or a callable giving each parameter's
+    (:func:`rule_for`)."""
     # The plans hold the parameters' addresses: a parameter whose storage was replaced (``p.data = ...``) is
     # planned again, not written at its old address.
     # They also hold the states' addresses: a state replaced, removed or reset (``optimizer.state`` is the truth) is
@@ -571,11 +593,14 @@ def plan_group(
     if cache.get("key") == key and cache.get("addresses") == addresses and cache["states"].same_values(states):
         cache["params"] = params
         return cache["plans"], cache["rest"]
-    check_state_shapes(params, states, rule.state_keys if rule is not None else (), rounding)
+    rules = [rule_for(rule, p) for p in params]
+    for r in set(rules) - {None}:
+        chosen = [i for i, x in enumerate(rules) if x == r]
+        check_state_shapes([params[i] for i in chosen], [states[i] for i in chosen], r.state_keys, rounding)
     buckets: dict[tuple, list[int]] = {}
     rest = []
     for i, (p, s) in enumerate(zip(params, states)):
-        k = plan_key(p, s, rule, interpreter)
+        k = plan_key(p, s, rules[i], interpreter)
         if k is None:
             rest.append(i)
         else:

@@ -1,10 +1,13 @@
 """Muon with its momentum buffer in low bits, and AdamW (low-bit too) for the parameters Muon is not for.
 
 Muon (Keller Jordan et al., 2024) orthogonalizes the momentum of each 2-D parameter with a few Newton-Schulz
-iterations. The elementwise half (the momentum buffer and the Nesterov direction) is the per-parameter compiled
-update :func:`~torchao_optim.rules.muon.muon_momentum`, over a state of any format; the orthogonalization is
-``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which
-computes the same thing (bit for bit on the CPU: tested against torch's where both exist).
+iterations. The elementwise half (the momentum buffer and the Nesterov direction) is a fused rule
+(:data:`~torchao_optim.rules.MUON`): one launch over every matrix of a group updates the quantized buffers and writes
+the directions, in fp32, into a buffer of the plan's; each is then orthogonalized and its parameter updated. On the
+per-parameter path (``fused=False``, a format the kernels do not read, a matrix whose rows are split across ranks) it
+is the compiled :func:`~torchao_optim.rules.muon.muon_momentum`, the same arithmetic. The orthogonalization is
+``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which computes the
+same thing (bit for bit on the CPU: tested against torch's where both exist).
 
 A matrix sharded by rows (FSDP2's ``Shard(0)``, HSDP's ``(Replicate(), Shard(0))``) keeps its momentum sharded:
 each rank updates its rows' quantized buffer. The orthogonalization needs the whole matrix: each rank's rows of
@@ -17,6 +20,7 @@ gives the bytes moved.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -25,11 +29,20 @@ from torch.optim.optimizer import ParamsT
 from torchao_optim.optim.base import LowBitOptimizer
 from torchao_optim.optim.checks import as_float, check_bool, check_number, check_storage, number
 from torchao_optim.optim.compiled import CompiledOrEager
-from torchao_optim.optim.compiled_path import flat_aliases
+from torchao_optim.optim.compiled_path import flat_aliases, round_keys
 from torchao_optim.optim.sharded import is_dtensor, local, map_whole, row_shard_dim
-from torchao_optim.rules import ADAM, adam_coefficients, adam_update, muon_coefficients, muon_momentum, store_param
+from torchao_optim.rules import (
+    ADAM,
+    MUON,
+    adam_coefficients,
+    adam_update,
+    muon_coefficients,
+    muon_momentum,
+    split_direction,
+    store_param,
+)
 
-__all__ = ["Muon8bit", "newton_schulz", "orthogonalize"]
+__all__ = ["Muon8bit", "MuonRules", "newton_schulz", "orthogonalize"]
 
 # The quintic's coefficients and step count from the Muon authors (Keller Jordan's post and reference code).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -65,6 +78,22 @@ def orthogonalize(g: Tensor, coefficients, steps: int, eps: float) -> Tensor:
     except ImportError:
         return newton_schulz(g, tuple(coefficients), steps, eps)
     return _zeropower_via_newtonschulz(g, tuple(coefficients), steps, eps)
+
+
+@dataclass(frozen=True)
+class MuonRules:
+    """A Muon8bit group's fused rules, by parameter (``optim.fused.rule_for``): :data:`MUON` for a matrix Muon
+    orthogonalizes, unless its rows are split across ranks (None: the per-parameter path gathers it), and
+    :data:`ADAM` for the AdamW fallback's. ``use_muon``: the group's setting."""
+
+    use_muon: bool | None
+
+    def __call__(self, p: Tensor):
+        if not (self.use_muon if self.use_muon is not None else p.dim() == 2):
+            return ADAM
+        if is_dtensor(p) and row_shard_dim(p.placements) is not None:
+            return None
+        return MUON
 
 
 def lr_ratio(shape, adjust_lr_fn: str | None) -> float:
@@ -120,17 +149,19 @@ class Muon8bit(LowBitOptimizer):
         min_quant_size (int, optional): smaller parameters keep fp32 state. Default: ``4096``.
         compile (bool, optional): compile each per-parameter update with ``torch.compile``; falls back to eager
             mode, with one warning, where compiling fails. Default: ``True``.
-        fused (bool, optional): the AdamW fallback's parameters take the fused path as AdamW8bit's do (``None``
-            or ``True``: the Triton kernels on CUDA, the fused C step on the CPU; ``False``: the compiled path).
-            The 2-D parameters always take the compiled path: no fused kernel implements Muon, whose cost is the
-            orthogonalization's matrix products. Default: ``None``.
+        fused (bool, optional): the matrices' momentum and the AdamW fallback take the fused kernels (``None`` or
+            ``True``: the Triton kernels on CUDA, the fused C step on the CPU; ``False``: the compiled path), one
+            launch per plan; the orthogonalization's matrix products follow, per matrix. A matrix whose rows are
+            split across ranks takes the compiled path, which gathers it. Default: ``None``.
         foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
-        capturable (bool, optional): ``True`` is refused (``ValueError``): Muon's step is not a fused launch.
+        capturable (bool, optional): ``True`` is refused (``ValueError``): Muon's step is not one fused launch (its
+            orthogonalization runs after the kernels).
             Default: ``False``.
         differentiable (bool, optional): ``True`` is refused (``ValueError``). Default: ``False``.
         bf16_stochastic_round (bool, optional): write bf16 parameters with stochastic rounding, as
             :class:`Adam`. Default: ``False``.
-        offload_state (bool, optional): ``True`` is refused (``ValueError``): no fused kernel implements Muon.
+        offload_state (bool, optional): ``True`` is refused (``ValueError``): the offloaded step streams chunks of
+            state through kernels that write parameters, and Muon's writes directions.
             Default: ``False``.
     """
 
@@ -168,11 +199,14 @@ class Muon8bit(LowBitOptimizer):
         offload_state: bool = False,
     ) -> None:
         if capturable:
-            raise ValueError("Muon8bit(capturable=True) is not supported: the step is not a fused launch")
+            raise ValueError(
+                "Muon8bit(capturable=True) is not supported: the step is not one fused launch (the "
+                "orthogonalization runs after the kernels)"
+            )
         if offload_state:
             raise ValueError(
                 "Muon8bit(offload_state=True) is not supported: offloaded state is streamed through "
-                "the fused kernels, and no fused kernel implements Muon"
+                "kernels that write parameters, and Muon's kernel writes the directions it orthogonalizes"
             )
         check_storage(block_size, min_quant_size)
         defaults = dict(
@@ -265,22 +299,38 @@ class Muon8bit(LowBitOptimizer):
         return (group["lr"], group["momentum"], group["weight_decay"], b1, b2, group["adamw_eps"])
 
     def _fused_rule(self, group):
-        """Adam's kernels, for the AdamW fallback's parameters (a 2-D parameter's state, a momentum buffer, is
-        planned by none of them and takes the compiled path)."""
-        return ADAM
+        """Each parameter's rule (:class:`MuonRules`): Muon's momentum for the matrices it orthogonalizes, but those
+        whose rows are split across ranks, and Adam's for the AdamW fallback's parameters."""
+        return MuonRules(group["use_muon"])
 
     def _unfused_param_reason(self, group, p: Tensor) -> str | None:
-        if self._uses_muon(group, p):
-            return "Muon orthogonalizes it: its momentum update and Newton-Schulz run on the per-parameter path"
+        if MuonRules(group["use_muon"])(p) is None:
+            return (
+                "Muon orthogonalizes it and its rows are split across ranks: its momentum runs on the per-parameter "
+                "path, which gathers the matrix for Newton-Schulz"
+            )
         return None
 
-    def _launch_flags(self, group):
-        return dict(decoupled=True, maximize=group["maximize"])
+    def _launch_settings(self, group, device, rule):
+        """Muon's ``(lr, momentum, weight_decay)`` and its option for :data:`MUON`; AdamW's ``(lr, beta1, beta2, eps,
+        weight_decay)``, in the order Adam's kernels read, for the fallback."""
+        lr, momentum, weight_decay, b1, b2, eps = self._hyperparams(group, device).unbind()
+        if rule is MUON:
+            flags = dict(nesterov=group["nesterov"], maximize=group["maximize"])
+            return torch.stack([lr, momentum, weight_decay]), flags
+        return torch.stack([lr, b1, b2, eps, weight_decay]), dict(decoupled=True, maximize=group["maximize"])
 
-    def _fused_hyperparams(self, group, device):
-        """AdamW's ``(lr, beta1, beta2, eps, weight_decay)`` from the group's, in the order Adam's kernels read."""
-        lr, _, weight_decay, b1, b2, eps = self._hyperparams(group, device).unbind()
-        return torch.stack([lr, b1, b2, eps, weight_decay])
+    def _step_directions(self, group, plans) -> None:
+        """The matrices of ``plans`` (Muon's), whose momentum the kernels have updated and whose directions they
+        wrote: each direction orthogonalized and its parameter updated as on the compiled path."""
+        for plan in plans:
+            steps = [s["step"] for s in plan.states]
+            keys = round_keys(self, plan.params, steps, group, plan.coefs.device)
+            for i, (p, written) in enumerate(zip(plan.params, plan.directions)):
+                direction, ok = split_direction(written)
+                ortho = orthogonalize(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                key = keys[i + 1] if keys is not None and p.dtype == torch.bfloat16 else None
+                self._apply(p, ortho, ok, plan.coefs[i], group, key)
 
     def _coefficients(self, steps, hp, group):
         """Muon's 4 columns, then AdamW's 7 (:func:`adam_coefficients`): each parameter reads its rule's."""

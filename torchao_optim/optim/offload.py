@@ -338,7 +338,7 @@ class Offloader:
         )
         if rest:
             refuse_unplanned(optimizer, params, states, rest)
-        hp = optimizer._hyperparams(group, device)
+        hp = optimizer._fused_hyperparams(group, device)
         slots.run(chunks, lambda plan: plan.launch(hp, **flags))
         in_backward = optimizer._in_backward
         if in_backward is not None:  # one parameter at a time: copy in the one backward reached next last time

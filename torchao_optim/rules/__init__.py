@@ -6,9 +6,9 @@ Triton) and in C (source text the C step is built with). Imports no optimizer an
 from torchao_optim.rules.adagrad import ADAGRAD, ADAGRAD_COEFS, adagrad_coefficients, adagrad_update
 from torchao_optim.rules.adam import ADAM, ADAM_AMSGRAD, COEFS, adam_coefficients, adam_update
 from torchao_optim.rules.ademamix import ADEMAMIX, ADEMAMIX_COEFS, ademamix_coefficients, ademamix_update
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+from torchao_optim.rules.base import OUTPUTS, FusedRule, finite_grad, split_direction, sqrt_rn, store_param, triton_jit
 from torchao_optim.rules.lion import LION, LION_COEFS, lion_coefficients, lion_update
-from torchao_optim.rules.muon import MUON_COEFS, muon_coefficients, muon_momentum
+from torchao_optim.rules.muon import MUON, MUON_COEFS, muon_coefficients, muon_momentum
 from torchao_optim.rules.rmsprop import (
     RMSPROP,
     RMSPROP_CENTERED,
@@ -34,6 +34,7 @@ BUILT_IN_RULES = (
     RMSPROP_CENTERED,
     RMSPROP_CENTERED_MOMENTUM,
     ADEMAMIX,
+    MUON,
 )
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "RMSPROP_CENTERED",
     "RMSPROP_CENTERED_MOMENTUM",
     "ADEMAMIX",
+    "MUON",
     "COEFS",
     "SGD_COEFS",
     "LION_COEFS",
@@ -71,7 +73,9 @@ __all__ = [
     "ademamix_update",
     "muon_coefficients",
     "muon_momentum",
+    "OUTPUTS",
     "finite_grad",
+    "split_direction",
     "store_param",
     "sqrt_rn",
     "triton_jit",

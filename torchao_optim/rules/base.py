@@ -28,7 +28,9 @@ import torch
 
 from torchao_optim.quant.rounding import stochastic_round_bf16
 
-__all__ = ["FusedRule", "finite_grad", "sqrt_rn", "store_param", "triton_jit"]
+__all__ = ["FusedRule", "OUTPUTS", "finite_grad", "split_direction", "sqrt_rn", "store_param", "triton_jit"]
+
+OUTPUTS = ("param", "direction")  # what a rule's element update writes (FusedRule.output)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,11 @@ class FusedRule:
             const float *g, float *s0, float *s1, float *s2, int n, const float *c, int option)``. Default: None
             (the C step does not run it).
         c_name (str, optional): the name of the function ``c_source`` defines; given with it. Default: None.
+        output (str, optional): what the element update's first result is. ``"param"``: the new parameter, written in
+            place. ``"direction"``: a tensor the plan holds, fp32 and shaped as the parameter, which the optimizer
+            reads after the launch and the parameter is not touched by the kernel (Muon8bit orthogonalizes it); the
+            update writes NaN for an element it skips, and that element's parameter must be kept
+            (:func:`split_direction`). Default: ``"param"``.
     """
 
     name: str
@@ -76,8 +83,11 @@ class FusedRule:
     triton_coefficients: Callable[[], Any] | None = None
     c_source: str | None = None
     c_name: str | None = None
+    output: str = "param"
 
     def __post_init__(self):
+        if self.output not in OUTPUTS:
+            raise ValueError(f"rule {self.name!r}: output must be one of {OUTPUTS}, got {self.output!r}")
         if len(self.signed) != len(self.state_keys):
             raise ValueError(
                 f"rule {self.name!r}: {len(self.state_keys)} state keys {self.state_keys} but "
@@ -142,6 +152,14 @@ def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):
         g = -g
     finite = torch.isfinite(g)
     return torch.where(finite, g, 0.0), finite
+
+
+def split_direction(direction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(direction, ok)`` from a direction an update wrote with NaN where it skipped an element (a rule whose output is
+    ``"direction"``): ``ok`` where the value is finite, and the direction with 0 elsewhere, so that a skipped element
+    counts as 0 in whatever mixes the elements and its parameter can be kept."""
+    ok = torch.isfinite(direction)
+    return torch.where(ok, direction, 0.0), ok
 
 
 def store_param(param: torch.Tensor, value: torch.Tensor, round_key: torch.Tensor | None) -> None:

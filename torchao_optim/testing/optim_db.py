@@ -188,12 +188,11 @@ class OptimizerInfo:
       AdamW's in the same format against ``torch.optim.AdamW`` on the same problem, times the case's
       ``parity_slack``; with fp32 state, at most ``fp32_bound(steps)``.
 
-    ``fused_params(params)`` are the parameters a fused executor plans (the others take the compiled path);
     ``mixes_elements(p)``: whether an element's update depends on other elements of ``p`` (Muon's
     orthogonalization), so that a non-finite gradient element leaves the others finite but not bit-identical;
     ``skips_non_finite``: whether a non-finite gradient element is skipped (our optimizers) or, as in torch.optim,
     makes that element's parameter non-finite (stock optimizers); ``plain_state``: whether ``"none"`` (fp32
-    state) is one of its formats; ``cpu_formats``: where set, the only formats its cpu executor runs for.
+    state) is one of its formats. A fused executor plans every parameter of a case.
     """
 
     name: str
@@ -205,12 +204,10 @@ class OptimizerInfo:
     state_keys: Callable[[torch.Tensor, dict], tuple[str, ...]]
     parity: str = "lr"
     fp32_bound: Callable[[int], float] = lambda steps: FP32_REL * 10
-    fused_params: Callable[[list], list] = list
     mixes_elements: Callable[[torch.Tensor], bool] = lambda p: False
     skips_non_finite: bool = True
     stock: bool = False
     plain_state: bool = True
-    cpu_formats: frozenset | None = None
 
     def __post_init__(self):
         if self.parity not in ("lr", "adamw"):
@@ -322,19 +319,16 @@ optim_db: list[OptimizerInfo] = [
         make=_ours(Muon8bit),
         reference=lambda params, *, lr, **kw: ReferenceMuon(params, lr=lr, **kw),
         lr=2e-2,
-        executors=("compiled", "eager", "cpu"),
-        samples=(Sample("", {}),),
+        executors=EXECUTORS,
+        # the fused rule's option (nesterov) both ways, on the fused executors (the compiled path's update takes it as
+        # a Python flag, as SGD's)
+        samples=(Sample("", {}), Sample("no_nesterov", dict(nesterov=False), executors=("fused", "cpu"))),
         state_keys=lambda p, kw: ("momentum_buffer",) if p.dim() == 2 else ("exp_avg", "exp_avg_sq"),
         parity="adamw",
         # Muon orthogonalizes in bf16, where an fp32 rounding difference in its input may move an output by a bf16
         # ulp (2**-8 relative; measured 0 on a CPU).
         fp32_bound=lambda steps: 2**-8,
-        # its matrices take the compiled path on every executor: only its AdamW fallback is fused
-        fused_params=lambda params: [p for p in params if p.dim() != 2],
         mixes_elements=lambda p: p.dim() == 2,
-        # Its cpu executor runs only the AdamW fallback, whose kernels AdamW's own cases test in every format;
-        # fp32 state and dtq8 check the fallback's wiring.
-        cpu_formats=frozenset({"none", "dtq8"}),
     ),
     OptimizerInfo(
         name="adagrad",
@@ -519,13 +513,9 @@ class ConformanceCase:
             check.values(opt._update.enabled, self.executor == "compiled", "compiled or eager as asked")
             return
         plans = opt._plans[id(opt.param_groups[0])]
-        fused = {id(p) for p in self.info.fused_params(params)}
-        check.values(
-            [params[i].shape for i in plans["rest"]],
-            [p.shape for p in params if id(p) not in fused],
-            "left to the compiled path",
-        )
-        check.values({id(p) for plan in plans["plans"] for p in plan.params}, fused, "the parameters the plans cover")
+        check.values([params[i].shape for i in plans["rest"]], [], "left to the compiled path")
+        planned = {id(p) for plan in plans["plans"] for p in plan.params}
+        check.values(planned, {id(p) for p in params}, "the parameters the plans cover")
         check.values(
             {plan.executor for plan in plans["plans"]},
             {"cpu" if self.executor == "cpu" else "triton"},
@@ -669,7 +659,7 @@ def _has_fused_layout(case: ConformanceCase, executor: str = "cpu") -> bool:
         return True
     fmt = get_state_format(case.format_name)
     reads = SCALES_READ["cpu" if executor == "cpu" else "triton"]
-    for p in case.info.fused_params(case.params()):
+    for p in case.params():
         if case.quantized(p):
             for key in case.state_keys(p):
                 layout = fmt.zeros(p.shape, signed=is_signed(key)).fused_layout()
@@ -722,7 +712,5 @@ def conformance_cases(
                     chosen = "compiled" if compile else "eager"
                     cases.append(case(chosen if chosen in per_parameter else per_parameter[0]))
                 for executor in fused:
-                    if executor == "cpu" and info.cpu_formats is not None and fmt not in info.cpu_formats:
-                        continue
                     cases.append(case(executor))
     return cases
