@@ -3,7 +3,7 @@
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
-# rank-1 and factored scales; the
+# rank-1 and factored scales, "muon" Muon8bit's fused momentum against its compiled path; the
 # memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
@@ -54,6 +54,15 @@ if has rules; then
     python benchmarks/benchmark_step.py --geometries llama_1b --dtypes fp32,bf16 --out "$OUT/rules" \
         --optims AdamWTorchFused,AdamW8bit,AdEMAMix,AdEMAMix8bit,AdEMAMixBnb8bit,AdamWAmsgradTorchFused,AdamW8bitAmsgrad,RMSpropCentered,RMSpropCentered8bit,RMSpropCenteredNoMomentum,RMSpropCenteredNoMomentum8bit,Adagrad8bit,AdagradBnb8bit,RMSprop8bit,RMSpropBnb8bit \
         2>&1 | tee "$OUT/rules/step.txt"
+fi
+# Muon8bit's momentum on the Triton kernels: its tests against the compiled path, then its step beside the compiled
+# path's (fused=False) and torch's fused AdamW (TinyLlama geometry, fp32 and bf16 parameters), under $OUT/muon.
+if has muon; then
+    mkdir -p "$OUT/muon"
+    python -m pytest test/test_one_state_optimizers.py test/test_conformance.py test/test_kernel_compile.py -q \
+        -k "muon or Muon" 2>&1 | tail -3 | tee "$OUT/muon/tests.txt"
+    python benchmarks/benchmark_step.py --geometries llama_1b --dtypes fp32,bf16 --out "$OUT/muon" \
+        --optims AdamWTorchFused,AdamW8bit,Muon,Muon8bit,Muon8bitCompiled 2>&1 | tee "$OUT/muon/step.txt"
 fi
 # Scales over a whole matrix on the Triton kernels (rank-1: "4bit_rank1"; factored: "factored", "factored4"): their
 # tests on the GPU, then the step beside "4bit"'s, "dtq8"'s and torch's fused AdamW (TinyLlama geometry, fp32 and
