@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from torchao_optim import AdamW8bit, Lion8bit, SGD8bit, step_in_backward
+from torchao_optim import AdamW8bit, Lion8bit, Muon8bit, SGD8bit, step_in_backward
 from torchao_optim.optim.fused import fused_available
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -14,8 +14,12 @@ OPTIMIZERS = {
     "AdamW8bit": lambda ps, fused: AdamW8bit(ps, lr=1e-2, fused=fused),
     "SGD8bit": lambda ps, fused: SGD8bit(ps, lr=1e-2, momentum=0.9, fused=fused),
     "Lion8bit": lambda ps, fused: Lion8bit(ps, lr=1e-3, weight_decay=0.1, fused=fused),
+    # its matrices' momentum a plan of their own each (Muon's rule writes the direction), Newton-Schulz in the hook
+    "Muon8bit": lambda ps, fused: Muon8bit(ps, lr=1e-2, fused=fused),
 }
-EXECUTORS = [False] + ([True] if fused_available(DEVICE) else [])
+# fused=None: the fused C step on the CPU, the Triton kernels on CUDA; True: the Triton kernels (Triton's interpreter on
+# the CPU, with TRITON_INTERPRET=1)
+EXECUTORS = [False, None] + ([True] if fused_available(DEVICE) else [])
 
 
 def _model():
@@ -33,7 +37,7 @@ def _loss(model, x, y):
     return (model(x) - y).square().mean()
 
 
-@pytest.mark.parametrize("fused", EXECUTORS, ids=lambda f: "fused" if f else "compiled")
+@pytest.mark.parametrize("fused", EXECUTORS, ids=lambda f: {False: "compiled", None: "default", True: "fused"}[f])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_same_training_as_step_after_backward(name, fused):
     ref, ours = _model(), _model()
