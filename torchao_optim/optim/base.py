@@ -245,10 +245,12 @@ class LowBitOptimizer(torch.optim.Optimizer):
         several (Muon8bit) gives each rule its own."""
         return self._fused_hyperparams(group, device), self._launch_flags(group)
 
-    def _step_directions(self, group, plans: list) -> None:
-        """After the launches of ``plans``, whose rule's output is a direction (``FusedRule.output``), the update of
-        their parameters from the directions the kernels wrote (``plan.directions``): Muon8bit orthogonalizes them."""
-        raise NotImplementedError(f"{type(self).__name__} runs no rule whose output is a direction")
+    def _finish_step(self, group, plans: list) -> None:
+        """After the group's launches and its compiled path: the update of the parameters of ``plans``, those whose
+        rule's output is a direction (``FusedRule.output``), from the directions the kernels wrote
+        (``plan.directions``). Muon8bit orthogonalizes them, with the directions its compiled path left."""
+        if plans:
+            raise NotImplementedError(f"{type(self).__name__} runs no rule whose output is a direction")
 
     # ---- what every part asks of the optimizer --------------------------------------------------------------
     def _signed(self, key: str) -> bool:

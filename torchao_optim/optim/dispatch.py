@@ -122,10 +122,9 @@ def step_group(optimizer, group, params: list[Tensor], states: list[dict], plan_
         for plan in plans:
             hyperparams, flags = optimizer._launch_settings(group, plan.params[0].device, plan.rule)
             plan.launch(hyperparams, refresh=False, **flags, **rounding_flag)
-        if any(plan.directions is not None for plan in plans):
-            optimizer._step_directions(group, [plan for plan in plans if plan.directions is not None])
         if compiled[0]:
             step_compiled(optimizer, *compiled, group)
+        optimizer._finish_step(group, [plan for plan in plans if plan.directions is not None])
 
     device = None
     if replay and (not compiled[0] or optimizer._update.enabled):

@@ -4,17 +4,17 @@ Muon (Keller Jordan et al., 2024) orthogonalizes the momentum of each 2-D parame
 iterations. The elementwise half (the momentum buffer and the Nesterov direction) is a fused rule
 (:data:`~torchao_optim.rules.MUON`): one launch over every matrix of a group updates the quantized buffers and writes
 the directions, in fp32, into a buffer of the plan's; each is then orthogonalized and its parameter updated. On the
-per-parameter path (``fused=False``, a format the kernels do not read, a matrix whose rows are split across ranks) it
-is the compiled :func:`~torchao_optim.rules.muon.muon_momentum`, the same arithmetic. The orthogonalization is
-``torch.optim.Muon``'s own function where this torch has one, otherwise :func:`newton_schulz` below, which computes the
-same thing (bit for bit on the CPU: tested against torch's where both exist).
+per-parameter path (``fused=False``, a format the kernels do not read) it is the compiled
+:func:`~torchao_optim.rules.muon.muon_momentum`, the same arithmetic. The orthogonalization is ``torch.optim.Muon``'s
+own function where this torch has one, otherwise :func:`newton_schulz` below, which computes the same thing (bit for
+bit on the CPU: tested against torch's where both exist).
 
 A matrix sharded by rows (FSDP2's ``Shard(0)``, HSDP's ``(Replicate(), Shard(0))``) keeps its momentum sharded:
 each rank updates its rows' quantized buffer. The orthogonalization needs the whole matrix: each rank's rows of
 the direction (fp32) are gathered onto the rank that owns the matrix's orthogonalization (round-robin over the
 ranks that split the rows, in parameter order), Newton-Schulz runs there, and each rank receives its rows of the
-result (bf16, as Newton-Schulz returns it): :func:`~torchao_optim.optim.sharded.map_whole`. docs/distributed.md
-gives the bytes moved.
+result (bf16, as Newton-Schulz returns it): :func:`~torchao_optim.optim.sharded.map_whole`, once per step for every
+such matrix of a group, whichever path computed its rows' direction. docs/distributed.md gives the bytes moved.
 """
 
 from __future__ import annotations
@@ -83,17 +83,17 @@ def orthogonalize(g: Tensor, coefficients, steps: int, eps: float) -> Tensor:
 @dataclass(frozen=True)
 class MuonRules:
     """A Muon8bit group's fused rules, by parameter (``optim.fused.rule_for``): :data:`MUON` for a matrix Muon
-    orthogonalizes, unless its rows are split across ranks (None: the per-parameter path gathers it), and
-    :data:`ADAM` for the AdamW fallback's. ``use_muon``: the group's setting."""
+    orthogonalizes, :data:`ADAM` for the AdamW fallback's. ``use_muon``: the group's setting."""
 
     use_muon: bool | None
 
     def __call__(self, p: Tensor):
-        if not (self.use_muon if self.use_muon is not None else p.dim() == 2):
-            return ADAM
-        if is_dtensor(p) and row_shard_dim(p.placements) is not None:
-            return None
-        return MUON
+        return MUON if (self.use_muon if self.use_muon is not None else p.dim() == 2) else ADAM
+
+
+def _rows_split(p: Tensor) -> bool:
+    """Whether ``p`` is a DTensor whose rows are split across ranks (its orthogonalization gathers it)."""
+    return is_dtensor(p) and row_shard_dim(p.placements) is not None
 
 
 def lr_ratio(shape, adjust_lr_fn: str | None) -> float:
@@ -151,8 +151,7 @@ class Muon8bit(LowBitOptimizer):
             mode, with one warning, where compiling fails. Default: ``True``.
         fused (bool, optional): the matrices' momentum and the AdamW fallback take the fused kernels (``None`` or
             ``True``: the Triton kernels on CUDA, the fused C step on the CPU; ``False``: the compiled path), one
-            launch per plan; the orthogonalization's matrix products follow, per matrix. A matrix whose rows are
-            split across ranks takes the compiled path, which gathers it. Default: ``None``.
+            launch per plan; the orthogonalization's matrix products follow, per matrix. Default: ``None``.
         foreach (bool, optional): accepted for torch.optim compatibility; it changes nothing. Default: ``None``.
         capturable (bool, optional): ``True`` is refused (``ValueError``): Muon's step is not one fused launch (its
             orthogonalization runs after the kernels).
@@ -243,6 +242,7 @@ class Muon8bit(LowBitOptimizer):
         super()._setup(compile, fused, foreach, capturable, offload_state)
         self._adam_update = CompiledOrEager(adam_update, enabled=self._compile)
         self._owner_orders = None  # (the param groups, id(matrix) -> its order): see _owner_order
+        self._split_pending: list = []  # the compiled path's directions of matrices split by rows (_step_params)
 
     def _check_hyperparams(self, group) -> None:
         check_number("learning rate", group["lr"])
@@ -299,17 +299,9 @@ class Muon8bit(LowBitOptimizer):
         return (group["lr"], group["momentum"], group["weight_decay"], b1, b2, group["adamw_eps"])
 
     def _fused_rule(self, group):
-        """Each parameter's rule (:class:`MuonRules`): Muon's momentum for the matrices it orthogonalizes, but those
-        whose rows are split across ranks, and Adam's for the AdamW fallback's parameters."""
+        """Each parameter's rule (:class:`MuonRules`): Muon's momentum for the matrices it orthogonalizes, Adam's for
+        the AdamW fallback's parameters."""
         return MuonRules(group["use_muon"])
-
-    def _unfused_param_reason(self, group, p: Tensor) -> str | None:
-        if MuonRules(group["use_muon"])(p) is None:
-            return (
-                "Muon orthogonalizes it and its rows are split across ranks: its momentum runs on the per-parameter "
-                "path, which gathers the matrix for Newton-Schulz"
-            )
-        return None
 
     def _launch_settings(self, group, device, rule):
         """Muon's ``(lr, momentum, weight_decay)`` and its option for :data:`MUON`; AdamW's ``(lr, beta1, beta2, eps,
@@ -320,17 +312,25 @@ class Muon8bit(LowBitOptimizer):
             return torch.stack([lr, momentum, weight_decay]), flags
         return torch.stack([lr, b1, b2, eps, weight_decay]), dict(decoupled=True, maximize=group["maximize"])
 
-    def _step_directions(self, group, plans) -> None:
+    def _finish_step(self, group, plans) -> None:
         """The matrices of ``plans`` (Muon's), whose momentum the kernels have updated and whose directions they
-        wrote: each direction orthogonalized and its parameter updated as on the compiled path."""
+        wrote, and those whose rows are split across ranks that the compiled path left (``_split_pending``): each
+        direction orthogonalized and its parameter updated as on the compiled path. The split ones are gathered
+        together (:meth:`_orthogonalize_split`), whichever path computed their rows' direction."""
+        split, self._split_pending = self._split_pending, []
         for plan in plans:
             steps = [s["step"] for s in plan.states]
             keys = round_keys(self, plan.params, steps, group, plan.coefs.device)
             for i, (p, written) in enumerate(zip(plan.params, plan.directions)):
                 direction, ok = split_direction(written)
-                ortho = orthogonalize(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 key = keys[i + 1] if keys is not None and p.dtype == torch.bfloat16 else None
+                if _rows_split(p):
+                    split.append((p, direction, ok, plan.coefs[i], key))
+                    continue
+                ortho = orthogonalize(direction, group["ns_coefficients"], group["ns_steps"], group["eps"])
                 self._apply(p, ortho, ok, plan.coefs[i], group, key)
+        if split:
+            self._orthogonalize_split(group, split)
 
     def _coefficients(self, steps, hp, group):
         """Muon's 4 columns, then AdamW's 7 (:func:`adam_coefficients`): each parameter reads its rule's."""
@@ -340,16 +340,23 @@ class Muon8bit(LowBitOptimizer):
         return torch.cat([muon, adam], dim=-1)
 
     def _step_params(self, group, params, states, coefs, round_keys) -> None:
-        """Each parameter's :meth:`_step_one`, but for the matrices whose rows are split across ranks: their
-        momentum on the local rows, their orthogonalization on the rank that owns it (:meth:`_step_sharded`)."""
-        split = [
-            self._uses_muon(group, p) and is_dtensor(p) and row_shard_dim(p.placements) is not None for p in params
-        ]
+        """Each parameter's :meth:`_step_one`, but for the matrices whose rows are split across ranks: their momentum
+        and direction on the local rows, left in ``_split_pending`` for :meth:`_finish_step` to orthogonalize."""
+        split = [self._uses_muon(group, p) and _rows_split(p) for p in params]
         rest = [i for i, s in enumerate(split) if not s]
         super()._step_params(*([group] + [[items[i] for i in rest] for items in (params, states, coefs, round_keys)]))
-        if len(rest) < len(params):
-            chosen = [i for i, s in enumerate(split) if s]
-            self._step_sharded(group, *[[items[i] for i in chosen] for items in (params, states, coefs, round_keys)])
+        for i in (i for i, s in enumerate(split) if s):
+            p, row = params[i], coefs[i]
+            shard = local(p)
+            dtype = torch.promote_types(p.dtype, torch.float32)  # the direction's, on every rank alike (fused: fp32)
+            direction, ok = shard.new_zeros(shard.shape, dtype=dtype), shard.new_zeros(shard.shape, dtype=torch.bool)
+            if shard.numel():  # (an empty shard has no rows, but a part in the gather and the scatter)
+                with flat_aliases(None, p.grad, [states[i]["momentum_buffer"]]) as (_, grad, (buf,)):
+                    direction, ok = self._update(
+                        grad, buf, row[:4], nesterov=group["nesterov"], maximize=group["maximize"]
+                    )
+                direction, ok = direction.reshape(shard.shape).to(dtype), ok.reshape(shard.shape)
+            self._split_pending.append((p, direction, ok, row, round_keys[i]))
 
     def _owner_order(self, p: Tensor) -> int:
         """``p``'s position among the optimizer's sharded matrices that Muon orthogonalizes, in parameter order:
@@ -362,32 +369,23 @@ class Muon8bit(LowBitOptimizer):
             cached = self._owner_orders = (groups, {id(q): i for i, q in enumerate(sharded)})
         return cached[1][id(p)]
 
-    def _step_sharded(self, group, params, states, coefs, round_keys) -> None:
-        """Muon on matrices split by rows: each rank's momentum and direction on its rows (an empty shard has
-        none), the directions gathered onto each matrix's owner, orthogonalized there, and each rank's rows of
-        the result scattered back (:func:`map_whole`); then each rank's rows of the parameter updated. The same
+    def _orthogonalize_split(self, group, split: list) -> None:
+        """Muon on matrices split by rows, from each rank's ``(matrix, direction of its rows, ok, coefficient row,
+        rounding key)``: the directions gathered onto each matrix's owner, orthogonalized there, and each rank's rows
+        of the result scattered back (:func:`map_whole`); then each rank's rows of the parameter updated. The same
         numbers as one process: the momentum is elementwise, the orthogonalization the same function of the same
-        matrix, the update elementwise."""
-        directions, oks = [], []
-        for p, state, row in zip(params, states, coefs):
-            shard = local(p)
-            dtype = torch.promote_types(p.dtype, torch.float32)  # the direction's, on every rank alike
-            if shard.numel() == 0:
-                directions.append(shard.new_zeros(shard.shape, dtype=dtype))
-                oks.append(shard.new_zeros(shard.shape, dtype=torch.bool))
-                continue
-            with flat_aliases(None, p.grad, [state["momentum_buffer"]]) as (_, grad, (buf,)):
-                direction, ok = self._update(grad, buf, row[:4], nesterov=group["nesterov"], maximize=group["maximize"])
-            directions.append(direction.reshape(shard.shape).to(dtype))
-            oks.append(ok.reshape(shard.shape))
+        matrix, the update elementwise. Every rank holds the same matrices (FSDP2 steps the same parameters on every
+        rank); they are taken in their owners' order, whichever path computed each rank's direction."""
+        split = sorted(split, key=lambda item: self._owner_order(item[0]))
+        params = [item[0] for item in split]
 
         def ns(whole, i):
             return orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
         owners = [self._owner_order(p) for p in params]
         # Newton-Schulz returns bf16 (it computes in bf16): the rows scattered back are bf16, exactly
-        orthos = map_whole(params, directions, ns, owners, torch.bfloat16)
-        for p, ortho, ok, row, key in zip(params, orthos, oks, coefs, round_keys):
+        orthos = map_whole(params, [item[1] for item in split], ns, owners, torch.bfloat16)
+        for (p, _, ok, row, key), ortho in zip(split, orthos):
             if ortho.numel():
                 self._apply(p, ortho, ok, row, group, key)
 
