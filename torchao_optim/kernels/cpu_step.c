@@ -63,6 +63,15 @@ static inline uint32_t bits_of(float x) { uint32_t b; memcpy(&b, &x, 4); return 
 static inline float float_of(uint32_t b) { float x; memcpy(&x, &b, 4); return x; }
 static inline int is_finite(float x) { return fabsf(x) < INFINITY; } /* NaN is not < inf */
 
+/* A one-state rule's update `name` from its inline loop `loop(p, g, s, n, c, option)`, the option a constant in each
+   call: a branch on it inside the loop would stop the vectorizer (SGD's nesterov, Muon's) */
+#define ONE_STATE_BY_OPTION(name, loop)                                                                               \
+    NOINLINE static void name(float *restrict p, const float *restrict g, float *restrict s, int n, const float *c, \
+                              int option) {                                                                         \
+        if (option) loop(p, g, s, n, c, 1);                                                                         \
+        else loop(p, g, s, n, c, 0);                                                                                \
+    }
+
 static inline uint32_t mix32(uint32_t x) { /* quant/rounding.py's hash, in uint32 */
     x ^= x >> 16;
     x *= 0x7FEB352Du;
@@ -459,8 +468,9 @@ typedef struct {
    coefficients, wrapper}. The launch passes a rule's index in that table; the step checks its states and
    coefficients against it. A rule's update takes fp32 arrays of n elements and updates them in place: one state,
    (p, g, s, n, c, option); two, (p, g, m, v, n, c, option); three, (p, g, s0, s1, s2, n, c, option); c is the
-   tensor's row of coefficients, option the rule's one setting. It may use NOINLINE and is_finite above. The
-   wrapper passes the states the rule has: the buffers of the others are never read or written. */
+   tensor's row of coefficients, option the rule's one setting. It may use NOINLINE, is_finite and
+   ONE_STATE_BY_OPTION above. The wrapper passes the states the rule has: the buffers of the others are never read or
+   written. */
 typedef void (*update_fn)(const Job *job, float *p, const float *g, float *s0, float *s1, float *s2, int n,
                           const float *c);
 /* TORCHAO_OPTIM_RULES */

@@ -71,7 +71,6 @@ def muon_tile_update(p, g, s, coefs, NESTEROV: tl.constexpr, PTX: tl.constexpr):
 
 # Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
 _C_UPDATE = r"""
-/* nesterov is a constant in each call (muon below): a branch on it inside the loop would stop the vectorizer */
 static inline __attribute__((always_inline)) void muon_loop(float *restrict d, const float *restrict g_in,
                                                            float *restrict s, int n, const float *c, int nesterov) {
     const float omm = c[2], momentum = c[3];
@@ -88,11 +87,7 @@ static inline __attribute__((always_inline)) void muon_loop(float *restrict d, c
     }
 }
 
-NOINLINE static void muon(float *restrict d, const float *restrict g_in, float *restrict s, int n, const float *c,
-                          int nesterov) {
-    if (nesterov) muon_loop(d, g_in, s, n, c, 1);
-    else muon_loop(d, g_in, s, n, c, 0);
-}
+ONE_STATE_BY_OPTION(muon, muon_loop)
 """
 
 

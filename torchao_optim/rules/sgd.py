@@ -79,7 +79,6 @@ def sgd_tile_update(p, g, s, coefs, NESTEROV: tl.constexpr, PTX: tl.constexpr):
 
 # Its element update in C (FusedRule.c_source), built into the C step by kernels/cpu.py.
 _C_UPDATE = r"""
-/* nesterov is a constant in each call (sgd below): a branch on it inside the loop would stop the vectorizer */
 static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, const float *restrict g_in,
                                                           float *restrict s, int n, const float *c, int nesterov) {
     const float lr = c[0], wd = c[1], momentum = c[2], grad_coef = c[3];
@@ -97,11 +96,7 @@ static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, co
     }
 }
 
-NOINLINE static void sgd(float *restrict p, const float *restrict g_in, float *restrict s, int n, const float *c,
-                         int nesterov) {
-    if (nesterov) sgd_loop(p, g_in, s, n, c, 1);
-    else sgd_loop(p, g_in, s, n, c, 0);
-}
+ONE_STATE_BY_OPTION(sgd, sgd_loop)
 """
 
 
