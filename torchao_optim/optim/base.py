@@ -222,10 +222,6 @@ class LowBitOptimizer(torch.optim.Optimizer):
         """The value every element of a new state ``key`` starts from (Adagrad's ``initial_accumulator_value``)."""
         return 0.0
 
-    def _unfused_param_reason(self, group, p: Tensor) -> str | None:
-        """Why ``p`` of ``group`` takes the per-parameter path whatever its state (None: its group's rule decides)."""
-        return None
-
     def _unfused_reason(self, group) -> str:
         """Why :meth:`_fused_rule` gives no rule for ``group`` (for error messages)."""
         return "its update rule"

@@ -48,10 +48,7 @@ def route(optimizer, p: Tensor, group) -> tuple[str, str, str]:
         return "no state to update", words, ""
     rule = rule_for(optimizer._fused_rule(group), p) if optimizer._fused else None
     why = unfused_reason(p, grad, states, rule, optimizer._interpreter)
-    own = optimizer._unfused_param_reason(group, p)
-    if optimizer._fused and own is not None:
-        why = own
-    elif optimizer._fused and rule is None:
+    if optimizer._fused and rule is None:
         why = f"no fused kernel for this group's settings ({optimizer._unfused_reason(group)})"
     elif not optimizer._fused:
         why = "fused=False"

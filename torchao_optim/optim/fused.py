@@ -22,6 +22,7 @@ Triton update) take the per-parameter compiled path.
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 
 import torch
@@ -324,7 +325,7 @@ class GroupPlan:
         16-byte boundary."""
         spans = [-(-s.numel() // 4) * 4 for s in shards]
         flat = torch.empty(sum(spans), dtype=torch.float32, device=device)
-        starts = [sum(spans[:i]) for i in range(len(spans))]
+        starts = itertools.accumulate(spans, initial=0)
         return [flat[a : a + s.numel()].view(s.shape) for a, s in zip(starts, shards)]
 
     def _plan_rank1(self, shards: list[Tensor], states: list[dict], device: torch.device) -> None:
