@@ -60,8 +60,7 @@ def test_matrix_scales_on_triton_equal_compiled_path(name, fmt):
     assert any(plan.rank1 is not None for plan in plans["plans"])
     rank1 = 0
     for p, q in zip(a, b):
-        # the fast reciprocal of Adam's Triton update (on a GPU) and contracted multiply-adds: a few ulps
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+        _assert_params(p, q, tuple(p.shape))
         for key, x in oa.state[p].items():
             y = ob.state[q][key]
             if isinstance(x, QuantizedState):
@@ -69,6 +68,19 @@ def test_matrix_scales_on_triton_equal_compiled_path(name, fmt):
                 for field in x.__tensor_flatten__()[0]:
                     _assert_field(getattr(x, field), getattr(y, field), (key, field, tuple(p.shape)))
     assert rank1 >= len(SHAPES)
+
+
+def _assert_params(p, q, where):
+    """The fast reciprocal of Adam's Triton update (on a GPU) and contracted multiply-adds: a few ulps. On a GPU an
+    element whose state took the other code of a midpoint (``_assert_field``) takes a step that differs by a fraction
+    of a code's width: such elements are rare (at most 0.2%), and each within the learning rate (1e-2) of the
+    compiled path's; a wrong kernel differs in most elements."""
+    if DEVICE == "cpu":
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=str(where))
+        return
+    apart = ~torch.isclose(p, q, rtol=1e-6, atol=1e-7)
+    assert apart.float().mean().item() <= 0.002, where
+    assert (p - q).abs().max().item() <= 1e-2, where
 
 
 def _assert_field(a, b, where):
