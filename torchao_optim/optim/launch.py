@@ -164,7 +164,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
     rank1 = tuple(SCALE_KINDS.index(layout.scale) for layout in plan.layouts) + (0,) * (3 - len(plan.layouts))
     if plan.rank1 is None:
         return rank1
-    from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
+    from torchao_optim.kernels.triton_rank1 import STATS_WARPS, rank1_stats_kernel
 
     plan.maxima.zero_()
     plan.sums.zero_()
@@ -195,7 +195,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
-        num_warps=4,
+        num_warps=STATS_WARPS,
     )
     return rank1
 
