@@ -213,7 +213,7 @@ def _other_rules() -> list[OptimizerEntry]:
             "torchao_optim.Adagrad8bit",
             _scaled(lambda ps, lr, wd, c: o.Adagrad8bit(ps, lr=lr, weight_decay=wd, compile=c), 10),
             None,
-            "dtq8",
+            "fp8",
         ),
         OptimizerEntry("AdagradBnb8bit", "bitsandbytes.optim.Adagrad8bit", _scaled(bnb_rule("Adagrad8bit"), 10), bnb),
         OptimizerEntry(

@@ -4,7 +4,8 @@ full-precision optimizer on the same gradients?
 The case is ``benchmark_parity.py``'s (two parameters of shapes (256, 512) and (1024, 256), gradients standard normal
 times ``1e-2 * (1 + t % 3)``), run for ``--steps`` steps (default 100: Adagrad's and RMSprop's second moments keep
 accumulating). Per rule, three optimizers over the same initial parameters and gradients: torch's (fp32 state, the
-reference), ours with 8-bit state (``dtq8``, on the fused step where it runs) and bitsandbytes' 8-bit one. The error
+reference), ours with 8-bit state (its default format: ``dtq8``, Adagrad's ``fp8``; on the fused step where it
+runs) and bitsandbytes' 8-bit one. The error
 is the mean |p - p_ref| over all elements; the ratio is ours over bitsandbytes' (the target: at most 1.5).
 
 Settings bitsandbytes supports for each: Adagrad with ``lr_decay=0`` and no initial accumulator, RMSprop without

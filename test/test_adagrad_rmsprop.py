@@ -1,5 +1,6 @@
 """Adagrad8bit and RMSprop8bit beyond the conformance case: their argument checks, Adagrad's initial accumulator
-value, and centered RMSprop's states (its fused C step: test_cpu_step.py; its path: test_explain.py)."""
+value and its default state's drift, and centered RMSprop's states (its fused C step: test_cpu_step.py; its path:
+test_explain.py)."""
 
 import pytest
 import torch
@@ -87,3 +88,23 @@ def test_offloaded_state_refuses_what_it_cannot_stream():
         Adagrad8bit(ps, initial_accumulator_value=0.1, offload_state=True)
     Adagrad8bit(ps, offload_state=True)
     RMSprop8bit(ps, momentum=0.9, offload_state=True)
+
+
+def test_adagrad_default_sum_stays_near_the_true_sum():
+    """Adagrad's sum never decays, so each step's requantization error stays in it: over 300 steps of gradients whose
+    scale varies by element (log-normal, as across a weight matrix), the default state's stored sum keeps 90% of its
+    elements within 20% of fp32 Adagrad's (measured: 5th and 95th percentiles 0.84 and 1.16 with the default "fp8";
+    "dtq8", the earlier default, drifts to 0.70 and 1.31 and fails this)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (256, 512)
+    scale = torch.exp(torch.randn(shape, generator=gen))
+    p, q = torch.nn.Parameter(torch.zeros(shape)), torch.nn.Parameter(torch.zeros(shape))
+    ours, ref = Adagrad8bit([p], lr=1e-2), torch.optim.Adagrad([q], lr=1e-2)
+    for _ in range(300):
+        g = torch.randn(shape, generator=gen) * scale * 1e-2
+        p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        ref.step()
+    ratio = (ours.state[p]["sum"].dequantize() / ref.state[q]["sum"]).flatten()
+    low, high = torch.quantile(ratio[::4], torch.tensor([0.05, 0.95])).tolist()
+    assert 0.8 <= low and high <= 1.2, (low, high)
