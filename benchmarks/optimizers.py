@@ -208,12 +208,20 @@ def _other_rules() -> list[OptimizerEntry]:
             "torch.optim.Adagrad (foreach)",
             _scaled(lambda ps, lr, wd, c: torch.optim.Adagrad(ps, lr=lr, weight_decay=wd, foreach=True), 10),
         ),
-        OptimizerEntry(
-            "Adagrad8bit",
-            "torchao_optim.Adagrad8bit",
-            _scaled(lambda ps, lr, wd, c: o.Adagrad8bit(ps, lr=lr, weight_decay=wd, compile=c), 10),
-            None,
-            "fp8",
+        *(
+            OptimizerEntry(
+                name,
+                f"torchao_optim.Adagrad8bit(state_format={fmt!r})",
+                _scaled(
+                    lambda ps, lr, wd, c, fmt=fmt: o.Adagrad8bit(
+                        ps, lr=lr, weight_decay=wd, state_format=fmt, compile=c
+                    ),
+                    10,
+                ),
+                None,
+                fmt,
+            )
+            for name, fmt in (("Adagrad8bit", "fp8"), ("Adagrad8bit-dtq8", "dtq8"))  # the default; the earlier one
         ),
         OptimizerEntry("AdagradBnb8bit", "bitsandbytes.optim.Adagrad8bit", _scaled(bnb_rule("Adagrad8bit"), 10), bnb),
         OptimizerEntry(

@@ -24,12 +24,10 @@ import triton.language as tl
 from torchao_optim.kernels.triton_adam import _load_row
 from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
-# A program reads one tile with one warp (STATS_WARPS): its reductions need no shared memory between warps.
-# Measured on an H100 (TinyLlama-1.1B, "4bit_rank1", fp32 parameters, the whole step):
-# tiles of 16 x 128 with 4 warps 15.45 ms (the first pass at 168 registers a thread, 19% occupancy, issuing 1.4
-# instructions a cycle), 8 x 128 with 4 warps 12.51, 4 x 128 with 2 warps 11.89, 2 x 128 with 1 warp 11.64; wider
-# or taller tiles, or more warps, were slower (32 x 128 with 8 warps 24.1), and so were strips of 16 tiles down a
-# column with their column maxima kept in registers (11.2 ms against 8.9 for the first pass alone, tiles of 16 x 128).
+# A program reads one small tile with one warp (STATS_WARPS): few values a thread, so many programs an SM (larger
+# tiles held so many registers that occupancy, not bandwidth, bounded the pass), and reductions with no shared memory
+# between warps. The tile is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the Triton
+# kernels").
 TILE_ROWS, TILE_COLS, STATS_WARPS = 2, 128, 1
 ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
 COLS: tl.constexpr = tl.constexpr(TILE_COLS)
