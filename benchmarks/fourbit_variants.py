@@ -14,7 +14,7 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
   level, -0.766, stores a block whose largest element is negative 23% short;
 - ``AdamW-4bit_vsq``: ``exp_avg_sq``'s codebook ``fourbit.square_map`` (an even grid of its square root, down to
   1/256 of the absmax) instead of the linear map (down to 1/16); ``AdamW-4bit_bal_vsq`` and ``AdamW-4bit_dyn_vsq``
-  pair it with the balanced and the dynamic ``exp_avg`` maps;
+  pair it with the balanced and the dynamic ``exp_avg`` maps, ``AdamW-4bit_lin_vsq`` with the balanced linear one;
 - ``AdamW-4bit_rank1_nrm``: ``"4bit_rank1"`` (rank-1 normalization of ``exp_avg_sq``) with the balanced normal map
   for ``exp_avg``;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
@@ -58,6 +58,7 @@ FORMATS = {
     "4bit_vsq": ("FourBitSquareSecondTensor", {"second_moment": "square"}),
     "4bit_bal_vsq": ("FourBitBalancedSquareTensor", {"first_moment": "balanced", "second_moment": "square"}),
     "4bit_dyn_vsq": ("FourBitDynamicSquareTensor", {"first_moment": "dynamic", "second_moment": "square"}),
+    "4bit_lin_vsq": ("FourBitLinearSquareTensor", {"first_moment": "balanced_linear", "second_moment": "square"}),
     "4bit_rank1_nrm": ("FourBitRank1NormalTensor", {"first_moment": "balanced_normal"}, FourBitRank1Tensor),
 }
 

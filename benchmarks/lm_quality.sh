@@ -33,6 +33,9 @@
 # and the factored second moment beside the 125m parts' fp32 AdamW (a second call
 # takes the seeds the first leaves out):
 #     125m-factored  AdamW-factored4, AdamW-factored; seeds 0, 1, 2
+# and exp_avg stored over sqrt(exp_avg_sq) (benchmarks/normalized_momentum.py), with the "4bit", "4bit_rank1" and
+# "4bit_vsq" formats, beside the same seed's AdamW and AdamW4bit:
+#     350m-nm-s0  350m-nm-s1  125m-nm-s0  125m-nm-s1  125m-nm-s2
 # then, wherever the parts' folders were gathered (any machine, no GPU needed):
 #   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-{4bit,8bit}-s* \
 #       results/lm_quality/125m-rank1 --out results/lm_quality/gpt125m
@@ -48,6 +51,7 @@ BUDGET_S=${BUDGET_S:-510}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 VARIANTS="AdamW-4bit_dyn,AdamW-4bit_b64,AdamW4bit-emb8,AdamW4bit-small8"
+NORMALIZED="AdamW4bit-nm,AdamW4bit-nm-rank1,AdamW4bit-nm-vsq"  # exp_avg stored over sqrt(exp_avg_sq)
 
 part() {  # the model, optimizers and seeds of part $1, then any flags of its own
     case "$1" in
@@ -60,13 +64,15 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
         350m-4bitvar) echo "gpt350m AdamW-4bit_b64,AdamW4bit-small8,AdamW4bit-emb8 0 --formats_from $HERE/fourbit_variants.py" ;;
         350m-rank1) echo "gpt350m AdamW-4bit_rank1 0" ;;
         125m-factored) echo "gpt125m AdamW-factored4,AdamW-factored 0,1,2" ;;
+        350m-nm-s[0-9]) echo "gpt350m $NORMALIZED ${1#350m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
+        125m-nm-s[0-9]) echo "gpt125m $NORMALIZED ${1#125m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
         custom) echo "${MODEL:?PART=custom needs MODEL} ${OPTIMS:?PART=custom needs OPTIMS} ${SEEDS:?PART=custom needs SEEDS}" ;;
         *) return 1 ;;
     esac
 }
 if [[ "$PART" == list ]]; then
     for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b \
-        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 125m-factored; do
+        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 125m-factored 350m-nm-s0 125m-nm-s0; do
         read -r model optims seeds flags <<<"$(part "$p")"
         echo "$p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}"
     done

@@ -53,6 +53,7 @@ def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
         ("4bit_vsq", None, square_map(4)),
         ("4bit_bal_vsq", balanced_map("quadratic"), square_map(4)),
         ("4bit_dyn_vsq", dynamic_map_values(True, 3, 4), square_map(4)),
+        ("4bit_lin_vsq", balanced_map("linear"), square_map(4)),
     ]:
         fmt = torchao_optim.get_state_format(name)
         m, v = [fmt.zeros((256, 256), signed=s, device="meta").fast_path_layout() for s in (True, False)]
@@ -70,6 +71,7 @@ def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
         "AdamW-4bit_vsq",
         "AdamW-4bit_bal_vsq",
         "AdamW-4bit_dyn_vsq",
+        "AdamW-4bit_lin_vsq",
         "AdamW-4bit_rank1_nrm",
         "AdamW4bit-emb8",
         "AdamW4bit-small8",

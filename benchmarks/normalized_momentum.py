@@ -1,0 +1,151 @@
+"""AdamW whose first state holds ``exp_avg / (sqrt(exp_avg_sq) + eps)`` instead of ``exp_avg``: a candidate for
+closing 4-bit state's gap to fp32 AdamW (benchmarks/README.md, "Language-model quality on a GPU").
+
+Why: a block-wise code's error is a share of its block's absmax, and Adam divides ``exp_avg``'s error by the
+element's own ``sqrt(exp_avg_sq)``; in a block whose elements' scales differ widely (one row of an attention output
+projection spans heads of different scales), the small-scale elements' steps are mostly that error. Stored
+normalized, every element's value is about its own step's size (at most about 1.2 with betas (0.9, 0.95)), so the
+error of each step is a share of the block's largest *step*, not of its largest moment.
+
+The rule: at each step ``exp_avg`` is decoded as ``r * (sqrt(v) + eps)`` from the stored ``r`` and ``v`` (the
+decoded ``exp_avg_sq`` the element's ``r`` was normalized by last step, up to the rounding of ``v``'s code), Adam's
+update runs as usual, and ``r = exp_avg / (sqrt(v) + eps)`` is stored with the new ``v``. Same state bytes as the
+format's; every other part (codes, blocks, fused kernels) is the format's own.
+
+Loaded by ``benchmark_convergence.py --formats_from benchmarks/normalized_momentum.py``, it registers, for the
+benchmark only: ``AdamW4bit-nm`` (``"4bit"``), ``AdamW4bit-nm-lin`` (``"4bit_lin"``, the balanced linear map for
+``r``, from ``fourbit_variants.py``) and ``AdamW8bit-nm`` (``"dtq8"``). The state's ``exp_avg`` is ``r``, not the
+moment: a checkpoint of these optimizers is not a torch.optim one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+import fourbit_variants  # noqa: E402,F401  (registers "4bit_lin")
+import optimizers  # noqa: E402
+
+import torchao_optim  # noqa: E402
+from torchao_optim.rules import adam  # noqa: E402
+from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit  # noqa: E402
+
+if TYPE_CHECKING:
+    import triton.language as tl
+
+
+def normalized_update(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    max_exp_avg_sq,
+    coefs,
+    *,
+    decoupled_weight_decay,
+    amsgrad,
+    maximize,
+    round_key=None,
+):
+    """The compiled path's update (plain tensor code, any state format); ``exp_avg`` holds ``r``."""
+    if amsgrad:
+        raise ValueError("the normalized-momentum variant does not take amsgrad")
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
+    g, finite = finite_grad(grad, exp_avg.dtype, maximize)
+    p = param.to(torch.promote_types(param.dtype, torch.float32))
+    if decoupled_weight_decay:
+        p_decayed = p * wd
+    else:
+        g = g + (wd * p).to(g.dtype)
+        p_decayed = p
+    v_old = exp_avg_sq * 1.0
+    m_old = exp_avg * (sqrt_rn(v_old) + eps)
+    m_new = m_old + one_minus_beta1 * (g - m_old)
+    v_new = v_old * beta2 + one_minus_beta2 * g * g
+    ok = finite & torch.isfinite(m_new) & torch.isfinite(v_new)
+    m = torch.where(ok, m_new, m_old)
+    v = torch.where(ok, v_new, v_old)
+    root = sqrt_rn(v)
+    scale = root + eps
+    exp_avg.copy_(torch.where(scale > 0, m / scale, 0.0))
+    exp_avg_sq.copy_(v)
+    p_new = p_decayed - step_size * (m / (root * inv_bc2 + eps))
+    store_param(param, torch.where(ok, p_new, p), round_key)
+
+
+def normalized_tile_update(p, g, r, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
+    """:func:`normalized_update` on a tile of the two-state Triton kernel: returns ``(p, r, v)``."""
+    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
+    if DECOUPLED:
+        p_decayed = p * wd
+    else:
+        g = g + wd * p
+        p_decayed = p
+    m = r * (tl.sqrt_rn(v) + eps)
+    m_new = m + one_minus_beta1 * (g - m)
+    v_new = v * beta2 + one_minus_beta2 * g * g
+    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
+    m = tl.where(ok, m_new, m)
+    v = tl.where(ok, v_new, v)
+    root = tl.sqrt_rn(v)
+    scale = root + eps
+    r = tl.where(scale > 0, m / scale, 0.0)
+    p = tl.where(ok, p_decayed - step_size * (m / (root * inv_bc2 + eps)), p)
+    return p, r, v
+
+
+NORMALIZED = FusedRule(
+    "adam_normalized",
+    ("exp_avg", "exp_avg_sq"),
+    (True, False),
+    adam.COEFS,
+    adam.adam_coefficients,
+    option="decoupled",
+    triton_update=triton_jit(normalized_tile_update),
+    triton_coefficients=adam.ADAM.triton_coefficients,
+)
+
+
+class AdamWNormalized(torchao_optim.AdamW):
+    """``torchao_optim.AdamW`` with ``exp_avg`` stored normalized (this module's docstring)."""
+
+    update_fn = staticmethod(normalized_update)
+
+    def _fused_rule(self, group):
+        if group["amsgrad"]:
+            raise ValueError("the normalized-momentum variant does not take amsgrad")
+        return NORMALIZED
+
+
+VARIANTS = {
+    "AdamW4bit-nm": "4bit",
+    "AdamW4bit-nm-lin": "4bit_lin",
+    "AdamW4bit-nm-vsq": "4bit_vsq",
+    "AdamW4bit-nm-lin-vsq": "4bit_lin_vsq",
+    "AdamW4bit-nm-vdyn": "4bit_vdyn",
+    "AdamW4bit-nm-rank1": "4bit_rank1",
+    "AdamW8bit-nm": "dtq8",
+}
+
+
+def _make(state_format):
+    def make(params, lr, weight_decay, betas, eps, compile):
+        return AdamWNormalized(
+            params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, compile=compile, state_format=state_format
+        )
+
+    return make
+
+
+for _name, _fmt in VARIANTS.items():
+    optimizers.register_optimizer(
+        optimizers.OptimizerEntry(
+            _name, f"AdamW, {_fmt} state, exp_avg stored over sqrt(exp_avg_sq)", _make(_fmt), None, _fmt
+        )
+    )
