@@ -12,9 +12,12 @@ decoded ``exp_avg_sq`` the element's ``r`` was normalized by last step, up to th
 update runs as usual, and ``r = exp_avg / (sqrt(v) + eps)`` is stored with the new ``v``. Same state bytes as the
 format's; every other part (codes, blocks, fused kernels) is the format's own.
 
+Measured on ``gpt350m`` (benchmarks/README.md): it trains worse than ``"4bit"`` with every ``exp_avg_sq`` format tried,
+the more so the coarser that format's codes near 0, so the library does not use it.
+
 Loaded by ``benchmark_convergence.py --formats_from benchmarks/normalized_momentum.py``, it registers, for the
-benchmark only: ``AdamW4bit-nm`` (``"4bit"``), ``AdamW4bit-nm-lin`` (``"4bit_lin"``, the balanced linear map for
-``r``, from ``fourbit_variants.py``) and ``AdamW8bit-nm`` (``"dtq8"``). The state's ``exp_avg`` is ``r``, not the
+benchmark only, this optimizer with the state formats of :data:`VARIANTS` (``"4bit_lin"``, ``"4bit_vsq"`` and
+``"4bit_lin_vsq"`` from ``fourbit_variants.py``). The state's ``exp_avg`` is ``r``, not the
 moment: a checkpoint of these optimizers is not a torch.optim one.
 """
 
