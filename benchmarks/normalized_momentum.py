@@ -12,13 +12,16 @@ decoded ``exp_avg_sq`` the element's ``r`` was normalized by last step, up to th
 update runs as usual, and ``r = exp_avg / (sqrt(v) + eps)`` is stored with the new ``v``. Same state bytes as the
 format's; every other part (codes, blocks, fused kernels) is the format's own.
 
-Measured on ``gpt350m`` (benchmarks/README.md): it trains worse than ``"4bit"`` with every ``exp_avg_sq`` format tried,
-the more so the coarser that format's codes near 0, so the library does not use it.
+Measured (benchmarks/README.md): with 4-bit codes it trains worse than ``"4bit"``, on ``gpt350m`` with every
+``exp_avg_sq`` format tried and on the CPU main job with every ``exp_avg`` map tried and with ``r`` taken over the
+rounded ``exp_avg_sq`` (:class:`AdamWNormalizedRounded`); with 8-bit codes it trains like fp32. The library does not
+use it.
 
 Loaded by ``benchmark_convergence.py --formats_from benchmarks/normalized_momentum.py``, it registers, for the
-benchmark only, this optimizer with the state formats of :data:`VARIANTS` (``"4bit_lin"``, ``"4bit_vsq"`` and
-``"4bit_lin_vsq"`` from ``fourbit_variants.py``). The state's ``exp_avg`` is ``r``, not the
-moment: a checkpoint of these optimizers is not a torch.optim one.
+benchmark only, this optimizer with the state formats of :data:`VARIANTS` (``"4bit_bal"``, ``"4bit_lin"``,
+``"4bit_vsq"`` and ``"4bit_lin_vsq"`` from ``fourbit_variants.py``), and the rounded one with those of
+:data:`ROUNDED`. The state's ``exp_avg`` is ``r``, not the moment: a checkpoint of these optimizers is not a
+torch.optim one.
 """
 
 from __future__ import annotations
@@ -55,8 +58,11 @@ def normalized_update(
     amsgrad,
     maximize,
     round_key=None,
+    rounded=False,
 ):
-    """The compiled path's update (plain tensor code, any state format); ``exp_avg`` holds ``r``."""
+    """The compiled path's update (plain tensor code, any state format); ``exp_avg`` holds ``r``. ``rounded``: ``r``
+    is taken over the square root of ``exp_avg_sq`` as its new code decodes (written first and read back), the value
+    the next step rebuilds ``exp_avg`` with, instead of the value before rounding."""
     if amsgrad:
         raise ValueError("the normalized-momentum variant does not take amsgrad")
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
@@ -75,9 +81,9 @@ def normalized_update(
     m = torch.where(ok, m_new, m_old)
     v = torch.where(ok, v_new, v_old)
     root = sqrt_rn(v)
-    scale = root + eps
-    exp_avg.copy_(torch.where(scale > 0, m / scale, 0.0))
     exp_avg_sq.copy_(v)
+    scale = (sqrt_rn(exp_avg_sq * 1.0) if rounded else root) + eps
+    exp_avg.copy_(torch.where(scale > 0, m / scale, 0.0))
     p_new = p_decayed - step_size * (m / (root * inv_bc2 + eps))
     store_param(param, torch.where(ok, p_new, p), round_key)
 
@@ -126,20 +132,38 @@ class AdamWNormalized(torchao_optim.AdamW):
         return NORMALIZED
 
 
+def rounded_normalized_update(*args, **kwargs):
+    """:func:`normalized_update` with ``rounded=True``."""
+    return normalized_update(*args, rounded=True, **kwargs)
+
+
+class AdamWNormalizedRounded(AdamWNormalized):
+    """:class:`AdamWNormalized` with ``r`` taken over the rounded ``exp_avg_sq`` (:func:`normalized_update`), so that
+    the next step rebuilds ``exp_avg`` with the same square root it was divided by. The fused kernels encode
+    ``exp_avg_sq`` after the element update, so this variant takes the compiled path (``fused=False``)."""
+
+    update_fn = staticmethod(rounded_normalized_update)
+
+    def __init__(self, params, *args, **kwargs):
+        super().__init__(params, *args, fused=False, **kwargs)
+
+
 VARIANTS = {
     "AdamW4bit-nm": "4bit",
     "AdamW4bit-nm-lin": "4bit_lin",
+    "AdamW4bit-nm-bal": "4bit_bal",
     "AdamW4bit-nm-vsq": "4bit_vsq",
     "AdamW4bit-nm-lin-vsq": "4bit_lin_vsq",
     "AdamW4bit-nm-vdyn": "4bit_vdyn",
     "AdamW4bit-nm-rank1": "4bit_rank1",
     "AdamW8bit-nm": "dtq8",
 }
+ROUNDED = {"AdamW4bit-nmq": "4bit", "AdamW4bit-nmq-vsq": "4bit_vsq"}  # AdamWNormalizedRounded, compiled path
 
 
-def _make(state_format):
+def _make(state_format, cls=AdamWNormalized):
     def make(params, lr, weight_decay, betas, eps, compile):
-        return AdamWNormalized(
+        return cls(
             params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, compile=compile, state_format=state_format
         )
 
@@ -150,5 +174,15 @@ for _name, _fmt in VARIANTS.items():
     optimizers.register_optimizer(
         optimizers.OptimizerEntry(
             _name, f"AdamW, {_fmt} state, exp_avg stored over sqrt(exp_avg_sq)", _make(_fmt), None, _fmt
+        )
+    )
+for _name, _fmt in ROUNDED.items():
+    optimizers.register_optimizer(
+        optimizers.OptimizerEntry(
+            _name,
+            f"AdamW, {_fmt} state, exp_avg stored over the rounded sqrt(exp_avg_sq) (compiled path)",
+            _make(_fmt, AdamWNormalizedRounded),
+            None,
+            _fmt,
         )
     )

@@ -2,7 +2,8 @@
 first state holds exp_avg / (sqrt(exp_avg_sq) + eps). Its fused Triton update (in Triton's interpreter on a machine
 without CUDA) equals its compiled-path update bit for bit; what it stores is bounded by the betas, not by the
 gradient's scale; a non-finite gradient element is skipped; and with 4-bit state its parameters stay closer to fp32
-AdamW's than "4bit"'s on columns of very different scales in one block."""
+AdamW's than "4bit"'s on columns of very different scales in one block. Its rounded twin (the ratio over exp_avg_sq
+as its code decodes) takes the compiled path."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from benchmark_scripts import BENCHMARKS, load_benchmark
 
 from torchao_optim import AdamW
+from torchao_optim.optim.explain import route
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import registry
 
@@ -101,3 +103,29 @@ def test_four_bit_steps_closer_to_fp32_than_4bit_on_columns_of_mixed_scales(nm, 
     moved = (ref - w0)[:, small].norm()
     err_ours, err_plain = [(w - ref)[:, small].norm() / moved for w in (ours, plain)]
     assert err_ours < at_most * err_plain, (err_ours, err_plain)
+
+
+def test_rounded_variant_takes_the_compiled_path_and_equals_the_plain_one_on_fp32_state(nm):
+    """AdamW4bit-nmq divides by exp_avg_sq as its code decodes: on plain fp32 state that is the value itself, so it
+    steps exactly as the unrounded rule; on 4-bit state, the momentum it rebuilds is the stored ratio times the very
+    square root it was divided by."""
+
+    def rounded(fmt):
+        def make(ps):
+            return nm["AdamWNormalizedRounded"](
+                ps, lr=1e-2, betas=BETAS, state_format=fmt, min_quant_size=0, compile=False
+            )
+
+        return make
+
+    a, _ = _train(rounded("none"), nan_at=4)
+    b, _ = _train(_normalized(nm, False, "none"), nan_at=4)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _, oq = _train(rounded("4bit"))
+    group = oq.param_groups[0]
+    (p,) = group["params"]
+    assert route(oq, p, group)[2] == "fused=False"  # the kernels encode exp_avg_sq after the update: not fused
+    r, v = oq.state[p]["exp_avg"], oq.state[p]["exp_avg_sq"]
+    assert r.format_name == v.format_name == "4bit"
+    # the ratio's largest element is about 1 (the bound of the test above), not the gradient's scale
+    assert 0.5 < r.dequantize().abs().max() <= 1.2
