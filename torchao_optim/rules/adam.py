@@ -231,8 +231,12 @@ static inline __attribute__((always_inline)) void adam_loop(float *restrict p, c
         m[i] = mi;
         v[i] = vi;
         if (amsgrad) {
-            /* torch.maximum of the old maximum and v, a skipped element's too (both finite) */
-            float top = vmax[i] < vi ? vi : vmax[i];
+            /* torch.maximum of the old maximum and v, a skipped element's too (both finite and >= 0): an integer
+               maximum of their patterns, which order as the values do (sign bits cleared: a -0.0 counts as 0). A float
+               select here let the compiler take the square root and the division of both operands (NaN rules keep it
+               from being a maximum), twice the cost of the update */
+            uint32_t old_top = bits_of(vmax[i]) & 0x7FFFFFFFu, new_top = bits_of(vi) & 0x7FFFFFFFu;
+            float top = float_of(old_top > new_top ? old_top : new_top);
             vmax[i] = top;
             vi = top;
         }
