@@ -40,7 +40,8 @@ import optimizers  # noqa: E402
 
 import torchao_optim  # noqa: E402
 from torchao_optim.rules import adam  # noqa: E402
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit  # noqa: E402
+from torchao_optim.rules.adam import adam_tile_update, adam_update  # noqa: E402
+from torchao_optim.rules.base import FusedRule, sqrt_rn, triton_jit  # noqa: E402
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -65,47 +66,35 @@ def normalized_update(
     the next step rebuilds ``exp_avg`` with, instead of the value before rounding."""
     if amsgrad:
         raise ValueError("the normalized-momentum variant does not take amsgrad")
-    step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs.unbind()
-    g, finite = finite_grad(grad, exp_avg.dtype, maximize)
-    p = param.to(torch.promote_types(param.dtype, torch.float32))
-    if decoupled_weight_decay:
-        p_decayed = p * wd
-    else:
-        g = g + (wd * p).to(g.dtype)
-        p_decayed = p
-    v_old = exp_avg_sq * 1.0
-    m_old = exp_avg * (sqrt_rn(v_old) + eps)
-    m_new = m_old + one_minus_beta1 * (g - m_old)
-    v_new = v_old * beta2 + one_minus_beta2 * g * g
-    ok = finite & torch.isfinite(m_new) & torch.isfinite(v_new)
-    m = torch.where(ok, m_new, m_old)
-    v = torch.where(ok, v_new, v_old)
-    root = sqrt_rn(v)
+    eps = coefs[6]
+    v = exp_avg_sq * 1.0
+    m = exp_avg * (sqrt_rn(v) + eps)
+    # Adam's own update on the rebuilt moment: m and v become the new moments (a skipped element's stay)
+    adam_update(
+        param,
+        grad,
+        m,
+        v,
+        None,
+        coefs,
+        decoupled_weight_decay=decoupled_weight_decay,
+        amsgrad=False,
+        maximize=maximize,
+        round_key=round_key,
+    )
     exp_avg_sq.copy_(v)
-    scale = (sqrt_rn(exp_avg_sq * 1.0) if rounded else root) + eps
+    scale = sqrt_rn(exp_avg_sq * 1.0 if rounded else v) + eps
     exp_avg.copy_(torch.where(scale > 0, m / scale, 0.0))
-    p_new = p_decayed - step_size * (m / (root * inv_bc2 + eps))
-    store_param(param, torch.where(ok, p_new, p), round_key)
 
 
 def normalized_tile_update(p, g, r, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
-    """:func:`normalized_update` on a tile of the two-state Triton kernel: returns ``(p, r, v)``."""
+    """:func:`normalized_update` on a tile of the two-state Triton kernel, around Adam's own tile update: returns
+    ``(p, r, v)``."""
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
-    if DECOUPLED:
-        p_decayed = p * wd
-    else:
-        g = g + wd * p
-        p_decayed = p
     m = r * (tl.sqrt_rn(v) + eps)
-    m_new = m + one_minus_beta1 * (g - m)
-    v_new = v * beta2 + one_minus_beta2 * g * g
-    ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
-    m = tl.where(ok, m_new, m)
-    v = tl.where(ok, v_new, v)
-    root = tl.sqrt_rn(v)
-    scale = root + eps
+    p, m, v = adam_tile_update(p, g, m, v, coefs, DECOUPLED, PTX)
+    scale = tl.sqrt_rn(v) + eps
     r = tl.where(scale > 0, m / scale, 0.0)
-    p = tl.where(ok, p_decayed - step_size * (m / (root * inv_bc2 + eps)), p)
     return p, r, v
 
 
@@ -116,7 +105,7 @@ NORMALIZED = FusedRule(
     adam.COEFS,
     adam.adam_coefficients,
     option="decoupled",
-    triton_update=triton_jit(normalized_tile_update),
+    triton_update=triton_jit(normalized_tile_update, calls=(adam_tile_update,)),
     triton_coefficients=adam.ADAM.triton_coefficients,
 )
 
