@@ -238,6 +238,22 @@ def test_three_state_rules_equal_compiled_path(name, fmt):
     _assert_same_step(oa, ob, a, b)
 
 
+def test_amsgrad_takes_a_negative_zero_maximum_as_zero():
+    """The C update takes amsgrad's maximum as an integer maximum of the two values' patterns (both >= 0, which order
+    as their patterns do); a -0.0 in max_exp_avg_sq (a loaded checkpoint may hold one) counts as 0 there, as
+    torch.maximum takes it, not as the largest pattern."""
+    a, b, oa, ob = _pair(lambda ps, **kw: AdamW(ps, lr=1e-2, amsgrad=True, state_format="none", **kw), torch.float32)
+    _train(a, b, oa, ob, steps=1)
+    for opt, params in ((oa, a), (ob, b)):
+        for p in params:
+            opt.state[p]["max_exp_avg_sq"].view(-1)[:64] = -0.0
+    _train(a, b, oa, ob, steps=1)
+    _assert_same_step(oa, ob, a, b)
+    for p in a:
+        top = oa.state[p]["max_exp_avg_sq"].view(-1)[:64]
+        assert (top > 0).all()  # the new v of those elements, not the -0.0
+
+
 @pytest.mark.parametrize("name", ["ademamix", "rmsprop-centered-momentum", "adamw-amsgrad"])
 def test_three_state_rules_round_bf16_as_the_compiled_path(name):
     """bf16 parameters and gradients, with stochastic rounding: the states bit for bit, the parameters as
