@@ -17,6 +17,9 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
   pair it with the balanced and the dynamic ``exp_avg`` maps, ``AdamW-4bit_lin_vsq`` with the balanced linear one;
 - ``AdamW-4bit_rank1_nrm``: ``"4bit_rank1"`` (rank-1 normalization of ``exp_avg_sq``) with the balanced normal map
   for ``exp_avg``;
+- ``AdamW-4bit_sr``: format ``"4bit_sr"``, both states' codes rounded stochastically, unbiased, from a hash of each
+  element's position and value (:func:`stochastic_codes`), on the per-parameter compiled path; ``AdamW-4bit_srm``,
+  ``exp_avg``'s only;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
   parameter for Adam's two, against 1.06);
 - ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
@@ -25,9 +28,9 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW4bit-small8``: ``"4bit"``, but every parameter of at most :data:`SMALL` elements keeps 8-bit state: on
   ``gpt125m`` and ``gpt350m`` the two embeddings and the output head (the matrices of the blocks are larger).
 
-Every variant takes the fused path (``fast_path_layout()``), so it trains at 4-bit speed. A signed linear map for
-``exp_avg`` is not among them: the library holds none (``quant`` has the dynamic map and the unsigned linear one).
-Loading this file again registers nothing new.
+Every variant but ``AdamW-4bit_sr`` and ``AdamW-4bit_srm`` takes the fused path (``fast_path_layout()``), so it
+trains at 4-bit speed. A signed linear map for ``exp_avg`` is not among them: the library holds none (``quant`` has
+the dynamic map and the unsigned linear one). Loading this file again registers nothing new.
 """
 
 from __future__ import annotations
@@ -39,9 +42,51 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)  # optimizers.py, when this file is loaded on its own
 import optimizers  # noqa: E402  (the table every benchmark shares; it puts this checkout first)
+import torch  # noqa: E402
 
 import torchao_optim  # noqa: E402
+from torchao_optim.quant import pack_nibbles  # noqa: E402
+from torchao_optim.quant.blockwise import block_absmax, normalize  # noqa: E402
+from torchao_optim.quant.rounding import mix32  # noqa: E402
 from torchao_optim.state import FourBitRank1Tensor, FourBitTensor, register_state_format  # noqa: E402
+
+
+def stochastic_codes(y: torch.Tensor, codebook: tuple[float, ...]) -> torch.Tensor:
+    """Codes (uint8) of ``y`` (fp32 in [-1, 1]) rounded stochastically between the two ``codebook`` values around each
+    element: the upper one with probability ``(y - lower) / (upper - lower)``, so that the decoded value is ``y`` on
+    average (below the smallest value, the smallest). The random bits are a hash of the element's position and of
+    ``y``'s own bits: the same state always gets the same codes, so a resumed run stores what an uninterrupted one does,
+    and a value that changes draws new bits."""
+    levels = torch.tensor(codebook, dtype=torch.float32, device=y.device)
+    upper = torch.searchsorted(levels, y.contiguous()).clamp(1, len(codebook) - 1)
+    lo, hi = levels[upper - 1], levels[upper]
+    share = ((y - lo) / (hi - lo)).clamp(0.0, 1.0)
+    position = torch.arange(y.numel(), device=y.device, dtype=torch.int64).view(y.shape)
+    pattern = y.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = mix32(position ^ mix32(pattern)) >> 8  # 24 random bits
+    draw = bits.to(torch.float32) * 2.0**-24  # in [0, 1)
+    return torch.where(draw < share, upper, upper - 1).to(torch.uint8)
+
+
+class FourBitStochasticTensor(FourBitTensor):
+    """``"4bit"`` with its codes rounded stochastically (:func:`stochastic_codes`) instead of to the nearest value, for
+    both states or (``stochastic_states = "signed"``) ``exp_avg`` only. The fused kernels round to the nearest, so it
+    takes the per-parameter compiled path (no fused layout)."""
+
+    stochastic_states = "both"
+
+    def fused_layout(self):
+        return None
+
+    @classmethod
+    def quantize_fields(cls, x, **attrs):
+        if cls.stochastic_states == "signed" and not attrs["signed"]:
+            return super().quantize_fields(x, **attrs)
+        layout = cls.layout_of(attrs)
+        absmax = block_absmax(x, layout.block_size)
+        codes = stochastic_codes(normalize(x, absmax, layout.block_size), layout.codebook)
+        return {layout.codes: pack_nibbles(codes), layout.scales: absmax}
+
 
 # Parameters of at most this many elements keep 8-bit state in AdamW4bit-small8: 2**19 takes gpt350m's position
 # embedding (512 x 1024) and leaves out gpt125m's attention projections (768 x 768).
@@ -60,6 +105,8 @@ FORMATS = {
     "4bit_dyn_vsq": ("FourBitDynamicSquareTensor", {"first_moment": "dynamic", "second_moment": "square"}),
     "4bit_lin_vsq": ("FourBitLinearSquareTensor", {"first_moment": "balanced_linear", "second_moment": "square"}),
     "4bit_rank1_nrm": ("FourBitRank1NormalTensor", {"first_moment": "balanced_normal"}, FourBitRank1Tensor),
+    "4bit_sr": ("FourBitStochasticRoundedTensor", {}, FourBitStochasticTensor),
+    "4bit_srm": ("FourBitStochasticFirstTensor", {"stochastic_states": "signed"}, FourBitStochasticTensor),
 }
 
 

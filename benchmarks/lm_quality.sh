@@ -30,6 +30,8 @@
 # and, for the 4-bit gap on gpt350m (seed 0; compare with 350m-a's AdamW and AdamW4bit):
 #     350m-4bitvar   AdamW-4bit_b64, AdamW4bit-small8, AdamW4bit-emb8
 #     350m-rank1     AdamW-4bit_rank1
+#     350m-sr        AdamW-4bit_srm, AdamW-4bit_sr (codes rounded stochastically: exp_avg's; both states'; the
+#                    per-parameter compiled path)
 # and the factored second moment beside the 125m parts' fp32 AdamW (a second call
 # takes the seeds the first leaves out):
 #     125m-factored  AdamW-factored4, AdamW-factored; seeds 0, 1, 2
@@ -63,6 +65,7 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
         350m-b) echo "gpt350m AdamW8bit,AdamWFp8 0" ;;
         350m-4bitvar) echo "gpt350m AdamW-4bit_b64,AdamW4bit-small8,AdamW4bit-emb8 0 --formats_from $HERE/fourbit_variants.py" ;;
         350m-rank1) echo "gpt350m AdamW-4bit_rank1 0" ;;
+        350m-sr) echo "gpt350m AdamW-4bit_srm,AdamW-4bit_sr 0 --formats_from $HERE/fourbit_variants.py" ;;
         125m-factored) echo "gpt125m AdamW-factored4,AdamW-factored 0,1,2" ;;
         350m-nm-s[0-9]) echo "gpt350m $NORMALIZED ${1#350m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
         125m-nm-s[0-9]) echo "gpt125m $NORMALIZED ${1#125m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
@@ -72,7 +75,8 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
 }
 if [[ "$PART" == list ]]; then
     for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b \
-        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 125m-factored 350m-nm-s0 125m-nm-s0; do
+        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 350m-sr 125m-factored 350m-nm-s0 \
+        125m-nm-s0; do
         read -r model optims seeds flags <<<"$(part "$p")"
         echo "$p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}"
     done

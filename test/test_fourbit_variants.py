@@ -73,6 +73,8 @@ def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):
         "AdamW-4bit_dyn_vsq",
         "AdamW-4bit_lin_vsq",
         "AdamW-4bit_rank1_nrm",
+        "AdamW-4bit_sr",
+        "AdamW-4bit_srm",
         "AdamW4bit-emb8",
         "AdamW4bit-small8",
     ]
@@ -91,8 +93,8 @@ def test_every_blockwise_variant_steps_a_gpt_on_the_fused_path(variants):
     model(x, x).backward()
     main = {name: name.removeprefix("AdamW-") for name in variants if name.startswith("AdamW-")}
     for name in variants:
-        if name == "AdamW-4bit_rank1_nrm":
-            continue  # rank-1 scales: the per-parameter compiled path, as "4bit_rank1" (its own tests)
+        if name in ("AdamW-4bit_rank1_nrm", "AdamW-4bit_sr", "AdamW-4bit_srm"):
+            continue  # the per-parameter compiled path: rank-1 scales here (their own tests), stochastic codes below
         optimizer = bench.optimizers.build(name, model.param_groups(0.1), lr=1e-3)
         optimizer.step()
         formats = {}
@@ -136,3 +138,38 @@ def test_formats_from_a_missing_file_is_a_one_line_error(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--formats_from", "no_such_file.py"])
     assert "--formats_from no_such_file.py: no such file" in capsys.readouterr().err
+
+
+def test_stochastic_codes_are_unbiased_deterministic_and_take_the_compiled_path(variants):
+    """ "4bit_sr" rounds each code up or down between its two neighbours so that the decoded value is right on average,
+    from bits that depend only on the element's position and value (a resumed run stores the same codes); the fused
+    kernels round to the nearest, so its parameters take the compiled path."""
+    ns = bench.runpy.run_path(VARIANTS_FILE)
+    stochastic_codes = ns["stochastic_codes"]
+    codebook = torchao_optim.get_state_format("4bit").layout(signed=True, block_size=128).codebook
+    levels = torch.tensor(codebook)
+    y = torch.full((100_000,), 0.2)  # between the levels 0.140625 and 0.25
+    decoded = levels[stochastic_codes(y, codebook).long()]
+    assert set(decoded.unique().tolist()) == {0.140625, 0.25}
+    # the mean of 100,000 draws: its standard error is 0.055 / sqrt(1e5) = 1.7e-4; 1e-3 is six of them
+    assert abs(decoded.mean().item() - 0.2) < 1e-3
+    assert torch.equal(stochastic_codes(y, codebook), stochastic_codes(y.clone(), codebook))  # the same bits again
+    assert torch.equal(levels[stochastic_codes(levels, codebook).long()], levels)  # a level is stored exactly
+    below = torch.tensor([-1.0, -0.9])  # under the smallest level, -0.766: the smallest, as rounding to nearest
+    assert torch.equal(stochastic_codes(below, codebook), torch.zeros(2, dtype=torch.uint8))
+    model = bench.GPT(TINY)
+    for name, signed_only in (("AdamW-4bit_sr", False), ("AdamW-4bit_srm", True)):
+        optimizer = bench.optimizers.build(name, model.parameters(), lr=1e-3)
+        x = torch.randint(0, 256, (2, 16))
+        model(x, x).backward()
+        optimizer.step()
+        p = max(model.parameters(), key=lambda t: t.numel())
+        assert route(optimizer, p, optimizer.param_groups[0])[0] == "compiled path"
+        # exp_avg_sq after one step is (1 - beta2) g**2: srm stores it rounded to the nearest, as "4bit" does
+        beta2 = optimizer.param_groups[0]["betas"][1]
+        one_minus_beta2 = torch.tensor(1 - beta2, dtype=torch.float64).float()  # as Adam's coefficients hold it
+        true_v = one_minus_beta2 * p.grad.float() * p.grad.float()  # the update's own order
+        nearest = torchao_optim.get_state_format("4bit").from_float(true_v, signed=False)
+        v = optimizer.state[p]["exp_avg_sq"]
+        assert torch.equal(v.absmax, nearest.absmax) and torch.equal(v.codes, nearest.codes) == signed_only, name
+        model.zero_grad()
