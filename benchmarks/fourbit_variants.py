@@ -20,6 +20,8 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW-4bit_sr``: format ``"4bit_sr"``, both states' codes rounded stochastically, unbiased, from a hash of each
   element's position and value (:func:`stochastic_codes`), on the per-parameter compiled path; ``AdamW-4bit_srm``,
   ``exp_avg``'s only;
+- ``AdamW-m4v8``: format ``"m4v8"``, ``exp_avg`` as in ``"4bit"`` and ``exp_avg_sq`` on the 8-bit dynamic map
+  (:class:`FourBitFirstEightBitSecondTensor`; 8-bit codes for both, so 2.03 bytes per parameter), on the compiled path;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
   parameter for Adam's two, against 1.06);
 - ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
@@ -28,9 +30,10 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW4bit-small8``: ``"4bit"``, but every parameter of at most :data:`SMALL` elements keeps 8-bit state: on
   ``gpt125m`` and ``gpt350m`` the two embeddings and the output head (the matrices of the blocks are larger).
 
-Every variant but ``AdamW-4bit_sr`` and ``AdamW-4bit_srm`` takes the fused path (``fast_path_layout()``), so it
-trains at 4-bit speed. A signed linear map for ``exp_avg`` is not among them: the library holds none (``quant`` has
-the dynamic map and the unsigned linear one). Loading this file again registers nothing new.
+Every variant but ``AdamW-4bit_sr``, ``AdamW-4bit_srm`` and ``AdamW-m4v8`` takes the fused path
+(``fast_path_layout()``), so it trains at 4-bit speed. A signed linear map for ``exp_avg`` is not among them: the
+library holds none (``quant`` has the dynamic map and the unsigned linear one). Loading this file again registers
+nothing new.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ import torchao_optim  # noqa: E402
 from torchao_optim.quant import pack_nibbles  # noqa: E402
 from torchao_optim.quant.blockwise import block_absmax, normalize  # noqa: E402
 from torchao_optim.quant.rounding import mix32  # noqa: E402
-from torchao_optim.state import FourBitRank1Tensor, FourBitTensor, register_state_format  # noqa: E402
+from torchao_optim.state import DTQ8bitTensor, FourBitRank1Tensor, FourBitTensor, register_state_format  # noqa: E402
+from torchao_optim.state.fourbit import quadratic_map  # noqa: E402
+from torchao_optim.state.layout import StateLayout  # noqa: E402
 
 
 def stochastic_codes(y: torch.Tensor, codebook: tuple[float, ...]) -> torch.Tensor:
@@ -88,6 +93,23 @@ class FourBitStochasticTensor(FourBitTensor):
         return {layout.codes: pack_nibbles(codes), layout.scales: absmax}
 
 
+class FourBitFirstEightBitSecondTensor(DTQ8bitTensor):
+    """``exp_avg`` as ``"4bit"`` stores it (the quadratic map's 16 values, blocks of 128), held in 8-bit codes, and
+    ``exp_avg_sq`` as ``"dtq8"`` does (the 8-bit dynamic map), in blocks of 128: ``"4bit"`` with an exact-enough second
+    moment, to tell the two states' shares of 4-bit state's error apart. On the compiled path (no fused layout)."""
+
+    default_block_size = 128
+
+    def fused_layout(self):
+        return None
+
+    @classmethod
+    def layout(cls, *, signed: bool, block_size: int) -> StateLayout:
+        if not signed:
+            return super().layout(signed=False, block_size=block_size)
+        return StateLayout(codes="codes", scales="absmax", block_size=block_size, codebook=quadratic_map())
+
+
 # Parameters of at most this many elements keep 8-bit state in AdamW4bit-small8: 2**19 takes gpt350m's position
 # embedding (512 x 1024) and leaves out gpt125m's attention projections (768 x 768).
 SMALL = 2**19
@@ -107,6 +129,7 @@ FORMATS = {
     "4bit_rank1_nrm": ("FourBitRank1NormalTensor", {"first_moment": "balanced_normal"}, FourBitRank1Tensor),
     "4bit_sr": ("FourBitStochasticRoundedTensor", {}, FourBitStochasticTensor),
     "4bit_srm": ("FourBitStochasticFirstTensor", {"stochastic_states": "signed"}, FourBitStochasticTensor),
+    "m4v8": ("FourBitFirstEightBitSecondVariant", {}, FourBitFirstEightBitSecondTensor),
 }
 
 

@@ -145,6 +145,7 @@ VARIANTS = {
     "AdamW4bit-nm-lin-vsq": "4bit_lin_vsq",
     "AdamW4bit-nm-vdyn": "4bit_vdyn",
     "AdamW4bit-nm-rank1": "4bit_rank1",
+    "AdamW4bit-nm-v8": "m4v8",  # the ratio's codes as "4bit"'s exp_avg, exp_avg_sq on the 8-bit map (compiled path)
     "AdamW8bit-nm": "dtq8",
 }
 ROUNDED = {"AdamW4bit-nmq": "4bit", "AdamW4bit-nmq-vsq": "4bit_vsq"}  # AdamWNormalizedRounded, compiled path
