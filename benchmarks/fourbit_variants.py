@@ -21,7 +21,8 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
   element's position and value (:func:`stochastic_codes`), on the per-parameter compiled path; ``AdamW-4bit_srm``,
   ``exp_avg``'s only;
 - ``AdamW-m4v8``: format ``"m4v8"``, ``exp_avg`` as in ``"4bit"`` and ``exp_avg_sq`` on the 8-bit dynamic map
-  (:class:`FourBitFirstEightBitSecondTensor`; 8-bit codes for both, so 2.03 bytes per parameter), on the compiled path;
+  (:class:`FourBitFirstEightBitSecondTensor`; 8-bit codes for both, so about 2.07 bytes per parameter), on the compiled
+  path;
 - ``AdamW-4bit_b64``: format ``"4bit_b64"``, blocks of 64 (0.5 + 4/64 bytes per element and state: 1.13 bytes per
   parameter for Adam's two, against 1.06);
 - ``AdamW4bit-emb8``: ``"4bit"``, but the parameters of the param groups without weight decay keep 8-bit state
