@@ -18,10 +18,9 @@ rounded ``exp_avg_sq`` (:class:`AdamWNormalizedRounded`); with 8-bit codes it tr
 use it.
 
 Loaded by ``benchmark_convergence.py --formats_from benchmarks/normalized_momentum.py``, it registers, for the
-benchmark only, this optimizer with the state formats of :data:`VARIANTS` (``"4bit_bal"``, ``"4bit_lin"``,
-``"4bit_vsq"`` and ``"4bit_lin_vsq"`` from ``fourbit_variants.py``), and the rounded one with those of
-:data:`ROUNDED`. The state's ``exp_avg`` is ``r``, not the moment: a checkpoint of these optimizers is not a
-torch.optim one.
+benchmark only, this optimizer with the state formats of :data:`VARIANTS` (the library's, and variants from
+``fourbit_variants.py``), and the rounded one with those of :data:`ROUNDED`. The state's ``exp_avg`` is ``r``, not
+the moment: a checkpoint of these optimizers is not a torch.optim one.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
-import fourbit_variants  # noqa: E402,F401  (registers "4bit_lin")
+import fourbit_variants  # noqa: E402,F401  (registers the variant formats VARIANTS names)
 import optimizers  # noqa: E402
 
 import torchao_optim  # noqa: E402
@@ -150,29 +149,13 @@ VARIANTS = {
 }
 ROUNDED = {"AdamW4bit-nmq": "4bit", "AdamW4bit-nmq-vsq": "4bit_vsq"}  # AdamWNormalizedRounded, compiled path
 
-
-def _make(state_format, cls=AdamWNormalized):
-    def make(params, lr, weight_decay, betas, eps, compile):
-        return cls(
-            params, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, compile=compile, state_format=state_format
+for _table, _cls, _what in (
+    (VARIANTS, AdamWNormalized, "exp_avg stored over sqrt(exp_avg_sq)"),
+    (ROUNDED, AdamWNormalizedRounded, "exp_avg stored over the rounded sqrt(exp_avg_sq) (compiled path)"),
+):
+    for _name, _fmt in _table.items():
+        optimizers.register_optimizer(
+            optimizers.OptimizerEntry(
+                _name, f"AdamW, {_fmt} state, {_what}", optimizers._ours(_cls, state_format=_fmt), None, _fmt
+            )
         )
-
-    return make
-
-
-for _name, _fmt in VARIANTS.items():
-    optimizers.register_optimizer(
-        optimizers.OptimizerEntry(
-            _name, f"AdamW, {_fmt} state, exp_avg stored over sqrt(exp_avg_sq)", _make(_fmt), None, _fmt
-        )
-    )
-for _name, _fmt in ROUNDED.items():
-    optimizers.register_optimizer(
-        optimizers.OptimizerEntry(
-            _name,
-            f"AdamW, {_fmt} state, exp_avg stored over the rounded sqrt(exp_avg_sq) (compiled path)",
-            _make(_fmt, AdamWNormalizedRounded),
-            None,
-            _fmt,
-        )
-    )

@@ -48,10 +48,11 @@ def _train(make, steps=20, nan_at=None, decades=6.0):
     return w.detach().clone(), opt
 
 
-def _normalized(nm, fused, state_format="4bit", min_quant_size=0):
-    """The candidate optimizer, its state in ``state_format``."""
-    return lambda ps: nm["AdamWNormalized"](
-        ps, lr=1e-2, betas=BETAS, state_format=state_format, min_quant_size=min_quant_size, fused=fused, compile=False
+def _normalized(nm, fused, state_format="4bit", cls="AdamWNormalized"):
+    """The candidate optimizer (``cls``), its state in ``state_format``; ``fused`` None: the class's own choice."""
+    options = {} if fused is None else {"fused": fused}
+    return lambda ps: nm[cls](
+        ps, lr=1e-2, betas=BETAS, state_format=state_format, min_quant_size=0, compile=False, **options
     )
 
 
@@ -110,18 +111,10 @@ def test_rounded_variant_takes_the_compiled_path_and_equals_the_plain_one_on_fp3
     steps exactly as the unrounded rule; on 4-bit state, the momentum it rebuilds is the stored ratio times the very
     square root it was divided by."""
 
-    def rounded(fmt):
-        def make(ps):
-            return nm["AdamWNormalizedRounded"](
-                ps, lr=1e-2, betas=BETAS, state_format=fmt, min_quant_size=0, compile=False
-            )
-
-        return make
-
-    a, _ = _train(rounded("none"), nan_at=4)
+    a, _ = _train(_normalized(nm, None, "none", "AdamWNormalizedRounded"), nan_at=4)
     b, _ = _train(_normalized(nm, False, "none"), nan_at=4)
     torch.testing.assert_close(a, b, rtol=0, atol=0)
-    _, oq = _train(rounded("4bit"))
+    _, oq = _train(_normalized(nm, None, "4bit", "AdamWNormalizedRounded"))
     group = oq.param_groups[0]
     (p,) = group["params"]
     assert route(oq, p, group)[2] == "fused=False"  # the kernels encode exp_avg_sq after the update: not fused
