@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
     not fused_available(torch.device(DEVICE)), reason="needs CUDA, or Triton's interpreter (TRITON_INTERPRET=1)"
 )
-# (300, 7): five strips of the first pass down one column of tiles, the last one short, each row ending inside a tile
+# (300, 7): 150 tiles of the first pass down one column of tiles, each row ending inside a tile
 SHAPES = ((37, 5), (3, 1000), (64, 128), (2, 3, 40), (300, 7)) + (
     ((600, 700),) if DEVICE == "cuda" else ()
 )  # many strips on a GPU

@@ -3,9 +3,8 @@
 A rank-1 scaled state is encoded with the row and column maxima of its new values over the whole matrix, so those
 maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update (the
 same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, stores nothing of
-it, and folds each rank-1 state's new magnitudes into the maxima and each factored state's new values into fp64 row and
-column sums. A program walks a strip of ``STRIP`` tiles down one column of tiles: one atomic maximum (or addition) per
-row of each tile, and per column once for the whole strip, the strip's column statistics kept in registers. The
+it, and folds each rank-1 state's new magnitudes into the maxima, one atomic maximum per row and per column of a tile,
+and each factored state's new values into fp64 row and column sums, one atomic addition per row and per column. The
 step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old maxima or means,
 encodes with the new maxima, and the plan stores the new statistics into the states last. Only what those states'
 new values depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the
@@ -25,15 +24,13 @@ import triton.language as tl
 from torchao_optim.kernels.triton_adam import _load_row
 from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
-# A program reads one small tile at a time with one warp (STATS_WARPS): few values a thread, so many programs an SM
-# (larger tiles held so many registers that occupancy, not bandwidth, bounded the pass), and reductions with no shared
-# memory between warps. The tile is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the
-# Triton kernels"). It walks STRIP_TILES tiles down a column of tiles, so that every column's atomic is one per strip,
-# not one per tile (a column's address is shared by every tile down the matrix).
-TILE_ROWS, TILE_COLS, STATS_WARPS, STRIP_TILES = 2, 128, 1, 32
+# A program reads one small tile with one warp (STATS_WARPS): few values a thread, so many programs an SM (larger
+# tiles held so many registers that occupancy, not bandwidth, bounded the pass), and reductions with no shared memory
+# between warps. The tile is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the Triton
+# kernels").
+TILE_ROWS, TILE_COLS, STATS_WARPS = 2, 128, 1
 ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
 COLS: tl.constexpr = tl.constexpr(TILE_COLS)
-STRIP: tl.constexpr = tl.constexpr(STRIP_TILES)
 
 
 @triton.jit
@@ -82,40 +79,24 @@ def _state_at(
 
 
 @triton.jit
-def _fold_rows(x, mask, new, r, r_ok, column_acc, SCALE: tl.constexpr):
-    """Fold a tile's new values of a state into its row statistics at ``new`` (one atomic per row of the tile), and
-    return ``column_acc`` with the tile's columns folded in: rank-1, the maxima of ``where(isfinite(x), |x|, 0)`` as
-    int32 patterns (non-negative floats order as their bits); factored, the fp64 sums of ``where(isfinite(x) & (x > 0),
-    x, 0)``. The order of the additions varies; an fp64 sum of fp32 values rounds to the same fp32 mean whatever the
-    order, but where the exact mean lies within the sum's rounding of an fp32 rounding boundary (state/factored.py)."""
+def _fold(x, mask, new, r, c, r_ok, c_ok, rows, SCALE: tl.constexpr):
+    """Fold a tile's new values of a state into its statistics at ``new`` (the rows', then the columns'): rank-1, the
+    maxima of ``where(isfinite(x), |x|, 0)`` as int32 patterns (non-negative floats order as their bits), one atomic
+    maximum per row and per column; factored, ``where(isfinite(x) & (x > 0), x, 0)`` added in fp64, one atomic
+    addition per row and per column. The order of the additions varies; an fp64 sum of fp32 values rounds to the same
+    fp32 mean whatever the order, but where the exact mean lies within the sum's rounding of an fp32 rounding boundary
+    (state/factored.py)."""
     if SCALE == FACTORED:
         v = tl.where(mask & (x > 0.0) & (x <= 3.4028234663852886e38), x, 0.0).to(tl.float64)
-        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
-        return column_acc + tl.sum(v, axis=0)
+        out = new.to(tl.pointer_type(tl.float64))
+        tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
+        tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")
     else:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
-        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
-        return tl.maximum(column_acc, tl.max(bits, axis=0))
-
-
-@triton.jit
-def _column_zeros(SCALE: tl.constexpr):
-    """A strip's column statistics before its first tile: fp64 sums (factored), int32 maxima' patterns (rank-1)."""
-    if SCALE == FACTORED:
-        return tl.zeros([COLS], dtype=tl.float64)
-    else:
-        return tl.zeros([COLS], dtype=tl.int32)
-
-
-@triton.jit
-def _fold_columns(column_acc, new, rows, c, c_ok, SCALE: tl.constexpr):
-    """Fold a strip's column statistics into the state's at ``new`` (past its ``rows`` row entries): one atomic per
-    column."""
-    if SCALE == FACTORED:
-        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + rows + c, column_acc, mask=c_ok, sem="relaxed")
-    elif SCALE:
-        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + rows + c, column_acc, mask=c_ok, sem="relaxed")
+        out = new.to(tl.pointer_type(tl.int32))
+        tl.atomic_max(out + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
+        tl.atomic_max(out + rows + c, tl.max(bits, axis=0), mask=c_ok, sem="relaxed")
 
 
 @triton.jit
@@ -127,7 +108,7 @@ def rank1_stats_kernel(
     rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima or sums (zeroed; 0:
     # blockwise)
     prog_tensor,  # int32 (n_programs,): which tensor each program reads
-    prog_tile,  # int32 (n_programs,): which of its strips (row-major over strips of STRIP * ROWS x COLS)
+    prog_tile,  # int32 (n_programs,): which of its tiles (row-major over tiles of ROWS x COLS)
     s0_values,
     s1_values,
     s2_values,  # each state's decode table (kernels.tables.layout_tables; None past N_STATES)
@@ -152,50 +133,38 @@ def rank1_stats_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    strip = tl.load(prog_tile + pid)
+    tile = tl.load(prog_tile + pid)
     row = ptrs + t * (1 + 2 * N_STATES)
     info = rank1 + t * (1 + N_STATES)
     rows = tl.load(info)
     cols = tl.load(numels + t) // rows
     per_row = tl.cdiv(cols, COLS)
-    first = (strip // per_row).to(tl.int64) * (ROWS * STRIP)
-    c = (strip % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
-    c_ok = c < cols
-    param = tl.load(row).to(tl.pointer_type(PARAM_DTYPE))
-    grad = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    r = (tile // per_row).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
+    r_ok, c_ok = r < rows, c < cols
+    mask = r_ok[:, None] & c_ok[None, :]
+    e = r[:, None] * cols + c[None, :]
+    p = tl.load(tl.load(row).to(tl.pointer_type(PARAM_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    if MAXIMIZE:
+        g = -g
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
-    acc0, acc1, acc2 = _column_zeros(S0_SCALE), _column_zeros(S1_SCALE), _column_zeros(S2_SCALE)
-    for i in range(tl.minimum(STRIP, tl.cdiv(rows - first, ROWS))):
-        r = first + i * ROWS + tl.arange(0, ROWS)
-        r_ok = r < rows
-        mask = r_ok[:, None] & c_ok[None, :]
-        e = r[:, None] * cols + c[None, :]
-        p = tl.load(param + e, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(grad + e, mask=mask, other=0.0).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
-        s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
-        if N_STATES == 1:
-            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
+    if N_STATES == 1:
+        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    else:
+        s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
+        if N_STATES == 2:
+            p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
         else:
-            s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
-            if N_STATES == 2:
-                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
-            else:
-                s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
-                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-                if S2_SCALE:
-                    acc2 = _fold_rows(s2, mask, tl.load(info + 3), r, r_ok, acc2, S2_SCALE)
-            if S1_SCALE:
-                acc1 = _fold_rows(s1, mask, tl.load(info + 2), r, r_ok, acc1, S1_SCALE)
-        if S0_SCALE:
-            acc0 = _fold_rows(s0, mask, tl.load(info + 1), r, r_ok, acc0, S0_SCALE)
+            s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
+            p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+            if S2_SCALE:
+                _fold(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows, S2_SCALE)
+        if S1_SCALE:
+            _fold(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows, S1_SCALE)
     if S0_SCALE:
-        _fold_columns(acc0, tl.load(info + 1), rows, c, c_ok, S0_SCALE)
-    if S1_SCALE:
-        _fold_columns(acc1, tl.load(info + 2), rows, c, c_ok, S1_SCALE)
-    if S2_SCALE:
-        _fold_columns(acc2, tl.load(info + 3), rows, c, c_ok, S2_SCALE)
+        _fold(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows, S0_SCALE)
 
 
 @triton.jit
@@ -223,12 +192,12 @@ def normalize_columns_kernel(
 
 def stats_programs(numels, rows) -> tuple:
     """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
-    elements read as ``rows`` rows each (lists of ints): every strip of every matrix, one program each."""
+    elements read as ``rows`` rows each (lists of ints): every tile of every matrix, one program each."""
     import torch
 
     tensors, tiles = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // (TILE_ROWS * STRIP_TILES)) * -(-(n // r) // TILE_COLS)
+        count = -(-r // TILE_ROWS) * -(-(n // r) // TILE_COLS)
         tensors.append(torch.full((count,), t, dtype=torch.int32))
         tiles.append(torch.arange(count, dtype=torch.int32))
     return torch.cat(tensors), torch.cat(tiles)
