@@ -195,7 +195,7 @@ signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*f
              "prog_tensor": "*i32", "prog_tile": "*i32", "s0_values": "*fp32", "s1_values": "*fp32"}
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
-                 S0_SCALE=False, S1_QUANT=True, S1_BITS=4, S1_SCALE=kind)
+                 S0_SCALE=False, S1_QUANT=True, S1_BITS=4, S1_SCALE=kind, ALIGNED=True)
 stats = compile_kernel(rank1_stats_kernel, signature, constants, 90, STATS_WARPS)
 columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
 print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))

@@ -31,9 +31,13 @@ RULES = {
 }
 
 
-def _train(make, fused, fmt):
+# rows of whole tiles (128 columns), each in one block: the first pass's vector loads (ALIGNED)
+ALIGNED_SHAPES = ((5, 256), (70, 128), (2, 3, 128))
+
+
+def _train(make, fused, fmt, shapes=SHAPES):
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in SHAPES]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(DEVICE)) for s in shapes]
     opt = make(params, fused=fused, compile=False, state_format=fmt, min_quant_size=0)
     for step in range(STEPS):
         for p in params:
@@ -48,16 +52,18 @@ def _train(make, fused, fmt):
     return params, opt
 
 
+@pytest.mark.parametrize("shapes", [SHAPES, ALIGNED_SHAPES], ids=["edges", "aligned"])
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("name", list(RULES))
-def test_matrix_scales_on_triton_equal_compiled_path(name, fmt):
+def test_matrix_scales_on_triton_equal_compiled_path(name, fmt, shapes):
     make, n_states = RULES[name]
-    a, oa = _train(make, True, fmt)
-    b, ob = _train(make, False, fmt)
+    a, oa = _train(make, True, fmt, shapes)
+    b, ob = _train(make, False, fmt, shapes)
     plans = oa._plans[id(oa.param_groups[0])]
     assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"triton"}
     assert {len(plan.layouts) for plan in plans["plans"]} == {n_states}
     assert any(plan.rank1 is not None for plan in plans["plans"])
+    assert all(plan.tiles_aligned == (shapes is ALIGNED_SHAPES) for plan in plans["plans"] if plan.rank1 is not None)
     rank1 = 0
     for p, q in zip(a, b):
         _assert_params(p, q, tuple(p.shape))
@@ -67,7 +73,7 @@ def test_matrix_scales_on_triton_equal_compiled_path(name, fmt):
                 rank1 += bool(getattr(x, "rows", 0))
                 for field in x.__tensor_flatten__()[0]:
                     _assert_field(getattr(x, field), getattr(y, field), (key, field, tuple(p.shape)))
-    assert rank1 >= len(SHAPES)
+    assert rank1 >= len(shapes)
 
 
 def _assert_params(p, q, where):

@@ -39,6 +39,7 @@ def _state_at(
     K: tl.constexpr,
     values,
     e,
+    start,
     r,
     c,
     r_ok,
@@ -49,20 +50,33 @@ def _state_at(
     BITS: tl.constexpr,
     QBLOCK: tl.constexpr,
     SCALE: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """The fp32 values of state ``K`` (its codes and scales at ``row[1 + 2K]``, ``row[2 + 2K]``: the tensor's row of the
     pointer table) at a tile's flat elements ``e`` (rows ``r``, columns ``c``: the tile's, as
-    vectors): a code's value (8-bit: the table's entry; 4-bit: the nibble's, the low word of the pair table's entry
-    for the byte of that nibble alone, so that the 16 values read lie in one 128-byte line) times its block's scale or
-    its rank-1 scale (the tile's row and column maxima loaded once each); a plain state's values as they are."""
+    vectors; ``start``: each row's first element): a code's value (8-bit: the table's entry; 4-bit: the nibble's, the
+    low word of the pair table's entry for the byte of that nibble alone, so that the 16 values read lie in one
+    128-byte line) times its block's scale or its rank-1 scale (the tile's row and column maxima loaded once each); a
+    plain state's values as they are. ``ALIGNED``: a tile's row lies in one block and starts at a 16-byte boundary of
+    every array, so a row's 4-bit codes are one load of ``COLS // 2`` bytes, split into nibbles in registers, and its
+    block scale one load."""
     codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
     if QUANT and SCALE == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
         row_mean = tl.load(scales.to(tl.pointer_type(tl.float32)) + r, mask=r_ok, other=0.0)
         return row_mean[:, None] * tl.load(codes.to(tl.pointer_type(tl.float32)) + c, mask=c_ok, other=0.0)[None, :]
     elif QUANT:
         if BITS == 8:
-            code = tl.load(codes.to(tl.pointer_type(tl.uint8)) + e, mask=mask, other=0).to(tl.int32)
+            code_ptr = codes.to(tl.pointer_type(tl.uint8))
+            if ALIGNED:
+                code_ptr = tl.multiple_of(code_ptr, 16)
+            code = tl.load(code_ptr + e, mask=mask, other=0).to(tl.int32)
             x = tl.load(values + code)
+        elif ALIGNED:
+            half = (start >> 1)[:, None] + tl.arange(0, COLS // 2)[None, :]
+            byte = tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.uint8)), 16) + half, mask=r_ok[:, None], other=0)
+            byte = byte.to(tl.int32)
+            nibble = tl.reshape(tl.join(byte & 15, byte >> 4), [ROWS, COLS])  # element 2k the low nibble of byte k
+            x = tl.load(values.to(tl.pointer_type(tl.int32)) + 2 * nibble).to(tl.float32, bitcast=True)
         else:
             byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + (e >> 1), mask=mask, other=0).to(tl.int32)
             nibble = (byte >> ((e & 1) * 4).to(tl.int32)) & 15
@@ -71,6 +85,8 @@ def _state_at(
         if SCALE == RANK1:
             row_max = tl.load(maxima + r, mask=r_ok, other=1.0)
             scale = tl.minimum(row_max[:, None], tl.load(maxima + rows + c, mask=c_ok, other=1.0)[None, :])
+        elif ALIGNED:
+            scale = tl.load(maxima + start // QBLOCK, mask=r_ok, other=1.0)[:, None]
         else:
             scale = tl.load(maxima + e // QBLOCK, mask=mask, other=1.0)
         return x * scale
@@ -119,6 +135,7 @@ def rank1_stats_kernel(
     OPTION: tl.constexpr,
     MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,  # every address in the tables a multiple of 16 bytes, every row length of COLS, QBLOCK's
     N_STATES: tl.constexpr,
     N_COEFS: tl.constexpr,
     S0_QUANT: tl.constexpr,
@@ -143,21 +160,33 @@ def rank1_stats_kernel(
     c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
     r_ok, c_ok = r < rows, c < cols
     mask = r_ok[:, None] & c_ok[None, :]
-    e = r[:, None] * cols + c[None, :]
-    p = tl.load(tl.load(row).to(tl.pointer_type(PARAM_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE)) + e, mask=mask, other=0.0).to(tl.float32)
+    p_base = tl.load(row).to(tl.pointer_type(PARAM_DTYPE))
+    g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
+    if ALIGNED:  # a tile's row is then contiguous from a 16-byte boundary: its loads become vectors
+        cols = tl.multiple_of(cols, COLS)
+        p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
+    start = r * cols + (tile % per_row).to(tl.int64) * COLS
+    e = start[:, None] + tl.arange(0, COLS)[None, :]
+    p = tl.load(p_base + e, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_base + e, mask=mask, other=0.0).to(tl.float32)
     if MAXIMIZE:
         g = -g
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
-    s0 = _state_at(row, 0, s0_values, e, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
+    s0 = _state_at(
+        row, 0, s0_values, e, start, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE, ALIGNED
+    )
     if N_STATES == 1:
         p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
     else:
-        s1 = _state_at(row, 1, s1_values, e, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
+        s1 = _state_at(
+            row, 1, s1_values, e, start, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE, ALIGNED
+        )
         if N_STATES == 2:
             p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
         else:
-            s2 = _state_at(row, 2, s2_values, e, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
+            s2 = _state_at(
+                row, 2, s2_values, e, start, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE, ALIGNED
+            )
             p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
             if S2_SCALE:
                 _fold(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows, S2_SCALE)

@@ -192,6 +192,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         OPTION=option,
         MAXIMIZE=maximize,
         PTX=not triton_interpreter(),
+        ALIGNED=plan.aligned and plan.grads_aligned and plan.tiles_aligned,
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
