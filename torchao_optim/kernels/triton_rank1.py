@@ -24,13 +24,18 @@ import triton.language as tl
 from torchao_optim.kernels.triton_adam import _load_row
 from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
-# A program reads one small tile with one warp (STATS_WARPS): few values a thread, so many programs an SM (larger
-# tiles held so many registers that occupancy, not bandwidth, bounded the pass), and reductions with no shared memory
-# between warps. The tile is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the Triton
-# kernels").
-TILE_ROWS, TILE_COLS, STATS_WARPS = 2, 128, 1
-ROWS: tl.constexpr = tl.constexpr(TILE_ROWS)
-COLS: tl.constexpr = tl.constexpr(TILE_COLS)
+# A program reads one small tile: few values a thread, so many programs an SM (larger tiles held so many registers
+# that occupancy, not bandwidth, bounded the pass). Rank-1 maxima take the tile of 2 x 128 with one warp (reductions
+# with no shared memory between warps); factored sums, whose decode is one product of two vectors, the tile of
+# 8 x 128 with four warps. Each is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the
+# Triton kernels"): (rows, columns, warps) by a plan's kind of matrix scales.
+STATS_TILES = {"rank1": (2, 128, 1), "factored": (8, 128, 4)}
+
+
+def stats_tile(scales) -> tuple[int, int, int]:
+    """The first pass's ``(rows, columns, warps)`` for a plan whose states' scale kinds are ``scales``: the rank-1
+    tile where any state has rank-1 scales, else the factored one."""
+    return STATS_TILES["rank1" if "rank1" in scales else "factored"]
 
 
 @triton.jit
@@ -58,8 +63,8 @@ def _state_at(
     low word of the pair table's entry for the byte of that nibble alone, so that the 16 values read lie in one
     128-byte line) times its block's scale or its rank-1 scale (the tile's row and column maxima loaded once each); a
     plain state's values as they are. ``ALIGNED``: a tile's row lies in one block and starts at a 16-byte boundary of
-    every array, so a row's 4-bit codes are one load of ``COLS // 2`` bytes, split into nibbles in registers, and its
-    block scale one load."""
+    every array, so a row's 4-bit codes are one load (half as many bytes as the tile has columns: the tile's shape is
+    ``e``'s), split into nibbles in registers, and its block scale one load."""
     codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
     if QUANT and SCALE == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
         row_mean = tl.load(scales.to(tl.pointer_type(tl.float32)) + r, mask=r_ok, other=0.0)
@@ -72,10 +77,10 @@ def _state_at(
             code = tl.load(code_ptr + e, mask=mask, other=0).to(tl.int32)
             x = tl.load(values + code)
         elif ALIGNED:
-            half = (start >> 1)[:, None] + tl.arange(0, COLS // 2)[None, :]
+            half = (start >> 1)[:, None] + tl.arange(0, e.shape[1] // 2)[None, :]
             byte = tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.uint8)), 16) + half, mask=r_ok[:, None], other=0)
             byte = byte.to(tl.int32)
-            nibble = tl.reshape(tl.join(byte & 15, byte >> 4), [ROWS, COLS])  # element 2k the low nibble of byte k
+            nibble = tl.reshape(tl.join(byte & 15, byte >> 4), e.shape)  # element 2k the low nibble of byte k
             x = tl.load(values.to(tl.pointer_type(tl.int32)) + 2 * nibble).to(tl.float32, bitcast=True)
         else:
             byte = tl.load(codes.to(tl.pointer_type(tl.uint8)) + (e >> 1), mask=mask, other=0).to(tl.int32)
@@ -136,6 +141,8 @@ def rank1_stats_kernel(
     MAXIMIZE: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,  # every address in the tables a multiple of 16 bytes, every row length of COLS, QBLOCK's
+    ROWS: tl.constexpr,  # the tile (stats_tile)
+    COLS: tl.constexpr,
     N_STATES: tl.constexpr,
     N_COEFS: tl.constexpr,
     S0_QUANT: tl.constexpr,
@@ -219,14 +226,15 @@ def normalize_columns_kernel(
         tl.store(dst + at, tl.where(mean > 0.0, tl.div_rn(x, tl.where(mean > 0.0, mean, 1.0)), 0.0), mask=at < n)
 
 
-def stats_programs(numels, rows) -> tuple:
+def stats_programs(numels, rows, tile_rows: int, tile_cols: int) -> tuple:
     """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
-    elements read as ``rows`` rows each (lists of ints): every tile of every matrix, one program each."""
+    elements read as ``rows`` rows each (lists of ints): every tile of ``tile_rows`` x ``tile_cols`` of every
+    matrix, one program each."""
     import torch
 
     tensors, tiles = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // TILE_ROWS) * -(-(n // r) // TILE_COLS)
+        count = -(-r // tile_rows) * -(-(n // r) // tile_cols)
         tensors.append(torch.full((count,), t, dtype=torch.int32))
         tiles.append(torch.arange(count, dtype=torch.int32))
     return torch.cat(tensors), torch.cat(tiles)

@@ -337,7 +337,7 @@ class GroupPlan:
         from ``stats_from``; a factored state's from ``means``, the sums over ``divisors``). A factored state's codes
         field is its column means; the pointer table points the kernels at ``columns`` instead, those means over their
         mean, made before each first pass (:meth:`normalize_columns`)."""
-        from torchao_optim.kernels.triton_rank1 import TILE_COLS, stats_programs
+        from torchao_optim.kernels.triton_rank1 import stats_programs, stats_tile
 
         per_state = [r.tolist() if r is not None else None for r in self.rows]
         rows = next(r for r in per_state if r is not None)
@@ -348,8 +348,10 @@ class GroupPlan:
         if 0 in rows:
             raise ValueError("a tensor with rank-1 scales has no rows")
         cols = [n // r for r, n in zip(rows, numels)]
-        # every tile of the first pass a whole row span in one block (triton_rank1.rank1_stats_kernel's ALIGNED)
-        self.tiles_aligned = all(c % TILE_COLS == 0 for c in cols) and self.block % TILE_COLS == 0
+        # the first pass's tile (rows, columns, warps); every tile a whole row span in one block: its ALIGNED
+        self.stats_tile_shape = stats_tile([layout.scale for layout in self.layouts])
+        tile_cols = self.stats_tile_shape[1]
+        self.tiles_aligned = all(c % tile_cols == 0 for c in cols) and self.block % tile_cols == 0
         n_states = len(self.layouts)
         factored = [layout.scale == "factored" for layout in self.layouts]
         n_rank1 = sum(r is not None and not f for r, f in zip(per_state, factored))
@@ -392,7 +394,9 @@ class GroupPlan:
         self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        self.stats_tensor, self.stats_tile = (x.to(device) for x in stats_programs(numels, rows))
+        self.stats_tensor, self.stats_tile = (
+            x.to(device) for x in stats_programs(numels, rows, *self.stats_tile_shape[:2])
+        )
         self.maxnreg = None  # the caps were measured on blockwise scales
 
     def normalize_columns(self) -> None:

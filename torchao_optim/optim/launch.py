@@ -164,7 +164,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
     rank1 = tuple(SCALE_KINDS.index(layout.scale) for layout in plan.layouts) + (0,) * (3 - len(plan.layouts))
     if plan.rank1 is None:
         return rank1
-    from torchao_optim.kernels.triton_rank1 import STATS_WARPS, rank1_stats_kernel
+    from torchao_optim.kernels.triton_rank1 import rank1_stats_kernel
 
     plan.maxima.zero_()
     plan.sums.zero_()
@@ -193,10 +193,12 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         MAXIMIZE=maximize,
         PTX=not triton_interpreter(),
         ALIGNED=plan.aligned and plan.grads_aligned and plan.tiles_aligned,
+        ROWS=plan.stats_tile_shape[0],
+        COLS=plan.stats_tile_shape[1],
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
-        num_warps=STATS_WARPS,
+        num_warps=plan.stats_tile_shape[2],
     )
     return rank1
 
