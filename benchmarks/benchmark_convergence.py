@@ -1017,8 +1017,11 @@ def find_results(paths: Sequence[str]) -> list[Path]:
 
 
 def _corpus_key(corpus: dict) -> tuple:
-    # the digest where recorded; before it was, the sizes of the splits
-    return (corpus.get("sha256"), corpus.get("train_bytes"), corpus.get("val_bytes"), corpus.get("packages", {}))
+    # the digest where recorded (the same bytes, wherever the files were read from); before it was, the sizes of the
+    # splits and the packages read
+    if corpus.get("sha256"):
+        return (corpus["sha256"],)
+    return (corpus.get("train_bytes"), corpus.get("val_bytes"), sorted(corpus.get("packages", {})))
 
 
 def merge_results(paths: Sequence[str], out: Path) -> dict:

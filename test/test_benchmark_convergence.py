@@ -229,7 +229,7 @@ def test_lm_preset_reads_its_corpus_less_than_once():
         bench.load_stdlib_corpus(packages=("no_such_package_xyz",))
 
 
-def _fake_part(directory, finals: dict, *, model_size="gpt125m", steps=2000, sha="a" * 64, skipped=()):
+def _fake_part(directory, finals: dict, *, model_size="gpt125m", steps=2000, sha="a" * 64, skipped=(), packages=None):
     """A results.json as a part writes it: runs of (optimizer, seed) with the given final validation losses."""
     runs = [
         {
@@ -248,7 +248,7 @@ def _fake_part(directory, finals: dict, *, model_size="gpt125m", steps=2000, sha
     config = {key: None for key in bench.RUN_SETTINGS} | {"model_size": model_size, "steps": steps}
     data = {
         "config": config,
-        "corpus": {"sha256": sha, "train_bytes": 1, "val_bytes": 1},
+        "corpus": {"sha256": sha, "train_bytes": 1, "val_bytes": 1, "packages": packages or {"torch": "torch sources"}},
         "environment": {"torch": "2.11", "gpu": "H200", "device": "cuda"},
         "runs": runs,
         "skipped_runs": [{"optimizer": n, "seed": s} for n, s in skipped],
@@ -379,6 +379,15 @@ def test_merge_refuses_runs_that_do_not_make_one_table(tmp_path):
         bench.merge_results([str(tmp_path / "a"), str(tmp_path / "d")], tmp_path / "merged")
     with pytest.raises(ValueError, match="no such file or directory"):
         bench.merge_results([str(tmp_path / "missing")], tmp_path / "merged")
+
+
+def test_merge_takes_the_same_corpus_read_from_other_places(tmp_path):
+    """Parts run on two machines read the same bytes from different directories: the digest decides, not where the
+    files were."""
+    _fake_part(tmp_path / "a", {("AdamW", 0): 0.86}, packages={"torch": "/one/site-packages/torch"})
+    _fake_part(tmp_path / "b", {("AdamW", 1): 0.87}, packages={"torch": "/another/site-packages/torch"})
+    result = bench.merge_results([str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "merged")
+    assert result["summary"]["AdamW"]["final_val_loss"] == [0.86, 0.87]
 
 
 def test_merge_cli_writes_results_and_skips_its_own_output(tmp_path, capsys):
