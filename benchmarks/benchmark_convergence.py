@@ -1157,10 +1157,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     corpus = load_stdlib_corpus(packages=args.corpus_packages)
     val_batches = corpus.val_batches(args.eval_batches, args.batch_size, args.seq_len)
     n_params = preset.model.num_params()
+    described = corpus.describe()
     print(
         f"corpus: {corpus.train.numel() / 1e6:.1f} MB train ({corpus.n_train_files} files), "
-        f"{corpus.val.numel() / 1e6:.2f} MB validation ({corpus.n_val_files} files) from {corpus.root}"
-        + "".join(f" and {path}" for path in corpus.packages.values())
+        f"{corpus.val.numel() / 1e6:.2f} MB validation ({corpus.n_val_files} files) from {described['stdlib']}"
+        + "".join(f" and {source}" for source in described["packages"].values())
         + f"; a run reads {args.steps * args.batch_size * args.seq_len / corpus.train.numel():.3g}x the train split"
     )
     print(
@@ -1190,7 +1191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     config["model"] = preset.model.to_dict()
     config["n_params"] = n_params
     config["lr_schedule"] = "linear warm-up, then cosine to 0.1 x lr, assigned as a float to group['lr'] each step"
-    base = {"config": config, "corpus": corpus.describe(), "environment": environment(device.type)}
+    base = {"config": config, "corpus": described, "environment": environment(device.type)}
     plan = [(name, seed) for seed in args.seeds for name in args.optims]
     runs: list[dict] = []
     skipped: list[dict] = []

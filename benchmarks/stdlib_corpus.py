@@ -21,8 +21,10 @@ evenly spaced offsets (the same for every run).
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
+import sys
 import sysconfig
 import zlib
 from dataclasses import dataclass, field
@@ -79,13 +81,16 @@ class StdlibCorpus:
     sha256: str = ""  # of the training bytes, then the validation bytes: equal digests, equal corpora and splits
 
     def describe(self) -> dict:
+        """What the corpus holds, for a results file: its sources by name and version (not by this machine's
+        directories: the digest says whether two runs read the same bytes), sizes and digest."""
         source = "Python standard library *.py files"
         if self.packages:
             source += " and the *.py files of " + ", ".join(self.packages)
+        stdlib = f"Python {sys.version_info[0]}.{sys.version_info[1]} standard library"
         return {
             "source": source + " (byte level, vocab 256)",
-            "stdlib": self.root,
-            "packages": dict(self.packages),
+            "stdlib": stdlib if Path(self.root) == Path(sysconfig.get_paths()["stdlib"]) else Path(self.root).name,
+            "packages": {name: f"{name} {_version(name)} sources" for name in self.packages},
             "train_files": self.n_train_files,
             "val_files": self.n_val_files,
             "train_bytes": self.train.numel(),
@@ -108,6 +113,13 @@ class StdlibCorpus:
             raise ValueError(f"the validation split ({self.val.numel()} bytes) is too small for {n_windows} windows")
         starts = torch.linspace(0, last_start, n_windows).long()
         return [_windows(self.val, chunk, seq_len) for chunk in starts.split(batch_size)]
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _windows(data: torch.Tensor, starts: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

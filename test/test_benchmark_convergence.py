@@ -225,6 +225,9 @@ def test_lm_preset_reads_its_corpus_less_than_once():
     assert preset.steps * preset.batch_size * preset.model.context < corpus.train.numel()
     described = corpus.describe()
     assert list(described["packages"]) == ["torch"] and len(described["sha256"]) == 64
+    # sources by name and version, not this machine's directories
+    assert described["packages"]["torch"].startswith("torch ") and "/" not in described["packages"]["torch"]
+    assert described["stdlib"] == "Python {}.{} standard library".format(*sys.version_info[:2])
     with pytest.raises(ValueError, match="'no_such_package_xyz' is not an installed package"):
         bench.load_stdlib_corpus(packages=("no_such_package_xyz",))
 
