@@ -35,6 +35,7 @@
 # and the factored second moment beside the 125m parts' fp32 AdamW (a second call
 # takes the seeds the first leaves out):
 #     125m-factored  AdamW-factored4, AdamW-factored; seeds 0, 1, 2
+#     125m-adafactor torch.optim.Adafactor (benchmarks/optimizers.py: lr x15); seeds 0, 1, 2
 # and exp_avg stored over sqrt(exp_avg_sq) (benchmarks/normalized_momentum.py), with the "4bit", "4bit_rank1" and
 # "4bit_vsq" formats, beside the same seed's AdamW and AdamW4bit:
 #     350m-nm-s0  350m-nm-s1  125m-nm-s0  125m-nm-s1  125m-nm-s2
@@ -67,6 +68,7 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
         350m-rank1) echo "gpt350m AdamW-4bit_rank1 0" ;;
         350m-sr) echo "gpt350m AdamW-4bit_srm,AdamW-4bit_sr 0 --formats_from $HERE/fourbit_variants.py" ;;
         125m-factored) echo "gpt125m AdamW-factored4,AdamW-factored 0,1,2" ;;
+        125m-adafactor) echo "gpt125m Adafactor 0,1,2" ;;
         350m-nm-s[0-9]) echo "gpt350m $NORMALIZED ${1#350m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
         125m-nm-s[0-9]) echo "gpt125m $NORMALIZED ${1#125m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
         custom) echo "${MODEL:?PART=custom needs MODEL} ${OPTIMS:?PART=custom needs OPTIMS} ${SEEDS:?PART=custom needs SEEDS}" ;;
@@ -75,7 +77,7 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
 }
 if [[ "$PART" == list ]]; then
     for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b \
-        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 350m-sr 125m-factored 350m-nm-s0 \
+        125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 350m-sr 125m-factored 125m-adafactor 350m-nm-s0 \
         125m-nm-s0; do
         read -r model optims seeds flags <<<"$(part "$p")"
         echo "$p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}"
