@@ -69,7 +69,7 @@ fi
 # bf16 parameters), under $OUT/rank1.
 if has rank1; then
     mkdir -p "$OUT/rank1"
-    python -m pytest test/test_triton_rank1.py test/test_kernel_compile.py::test_matrix_scale_kernels_compile_for_sm90 -q \
+    python -m pytest --runslow test/test_triton_rank1.py test/test_kernel_compile.py::test_matrix_scale_kernels_compile_for_sm90 -q \
         2>&1 | tail -3 | tee "$OUT/rank1/tests.txt"
     python benchmarks/benchmark_step.py --geometries llama_1b --dtypes fp32,bf16 --out "$OUT/rank1" \
         --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4 2>&1 \
