@@ -599,17 +599,28 @@ static void decode_factored(float *restrict dst, int64_t scales, int64_t start, 
     }
 }
 
-/* where(isfinite(x) & x > 0, x, 0) in fp64, summed into a row's sum and its columns' */
+/* where(isfinite(x) & x > 0, x, 0) in fp64, summed into a row's sum and its columns'. The row's sum is taken in
+   SUM_LANES running sums (element i into lane i % SUM_LANES), added in a fixed tree at the end: one running sum
+   would chain every addition to the one before (an fp64 add's latency an element) and keep the loop scalar. */
+#define SUM_LANES 8
+static inline double positive_finite(float v) { return v > 0.0f && v <= 3.40282347e38f ? (double)v : 0.0; }
+
 NOINLINE static void sum_piece(const float *restrict x, int64_t len, double *restrict row_sum,
                                double *restrict col_sum) {
-    double total = 0.0;
-    for (int64_t i = 0; i < len; i++) {
-        float v = x[i];
-        double d = v > 0.0f && v <= 3.40282347e38f ? (double)v : 0.0; /* NaN and +inf compare false */
-        total += d;
+    double lane[SUM_LANES] = {0.0};
+    int64_t i = 0;
+    for (; i + SUM_LANES <= len; i += SUM_LANES)
+        for (int l = 0; l < SUM_LANES; l++) {
+            double d = positive_finite(x[i + l]); /* NaN and +inf compare false */
+            lane[l] += d;
+            col_sum[i + l] += d;
+        }
+    for (int l = 0; i < len; i++, l++) {
+        double d = positive_finite(x[i]);
+        lane[l] += d;
         col_sum[i] += d;
     }
-    *row_sum += total;
+    *row_sum += ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
 }
 
 /* the new values' sums into this range's (out: rows row sums, then the column sums) */
