@@ -603,6 +603,7 @@ static void decode_factored(float *restrict dst, int64_t scales, int64_t start, 
    SUM_LANES running sums (element i into lane i % SUM_LANES), added in a fixed tree at the end: one running sum
    would chain every addition to the one before (an fp64 add's latency an element) and keep the loop scalar. */
 #define SUM_LANES 8
+_Static_assert(SUM_LANES == 8, "sum_piece adds its lanes in a tree of eight");
 static inline double positive_finite(float v) { return v > 0.0f && v <= 3.40282347e38f ? (double)v : 0.0; }
 
 NOINLINE static void sum_piece(const float *restrict x, int64_t len, double *restrict row_sum,

@@ -18,21 +18,30 @@ This module imports Triton; import it only where Triton is available.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
 from torchao_optim.kernels.triton_codec import FACTORED, RANK1
 
+
 # A program reads one small tile: few values a thread, so many programs an SM (larger tiles held so many registers
 # that occupancy, not bandwidth, bounded the pass). Rank-1 maxima take the tile of 2 x 128 with one warp (reductions
 # with no shared memory between warps); factored sums, whose decode is one product of two vectors, the tile of
 # 8 x 128 with four warps. Each is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the
 # Triton kernels"): (rows, columns, warps) by a plan's kind of matrix scales.
-STATS_TILES = {"rank1": (2, 128, 1), "factored": (8, 128, 4)}
+class StatsTile(NamedTuple):
+    rows: int
+    cols: int
+    warps: int
 
 
-def stats_tile(scales) -> tuple[int, int, int]:
+STATS_TILES = {"rank1": StatsTile(2, 128, 1), "factored": StatsTile(8, 128, 4)}
+
+
+def stats_tile(scales) -> StatsTile:
     """The first pass's ``(rows, columns, warps)`` for a plan whose states' scale kinds are ``scales``: the rank-1
     tile where any state has rank-1 scales, else the factored one."""
     return STATS_TILES["rank1" if "rank1" in scales else "factored"]

@@ -350,7 +350,7 @@ class GroupPlan:
         cols = [n // r for r, n in zip(rows, numels)]
         # the first pass's tile (rows, columns, warps); every tile a whole row span in one block: its ALIGNED
         self.stats_tile_shape = stats_tile([layout.scale for layout in self.layouts])
-        tile_cols = self.stats_tile_shape[1]
+        tile_cols = self.stats_tile_shape.cols
         self.tiles_aligned = all(c % tile_cols == 0 for c in cols) and self.block % tile_cols == 0
         n_states = len(self.layouts)
         factored = [layout.scale == "factored" for layout in self.layouts]
@@ -395,7 +395,7 @@ class GroupPlan:
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
         self.stats_tensor, self.stats_tile = (
-            x.to(device) for x in stats_programs(numels, rows, *self.stats_tile_shape[:2])
+            x.to(device) for x in stats_programs(numels, rows, self.stats_tile_shape.rows, tile_cols)
         )
         self.maxnreg = None  # the caps were measured on blockwise scales
 

@@ -193,12 +193,12 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         MAXIMIZE=maximize,
         PTX=not triton_interpreter(),
         ALIGNED=plan.aligned and plan.grads_aligned and plan.tiles_aligned,
-        ROWS=plan.stats_tile_shape[0],
-        COLS=plan.stats_tile_shape[1],
+        ROWS=plan.stats_tile_shape.rows,
+        COLS=plan.stats_tile_shape.cols,
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
-        num_warps=plan.stats_tile_shape[2],
+        num_warps=plan.stats_tile_shape.warps,
     )
     return rank1
 
