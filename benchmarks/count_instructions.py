@@ -54,12 +54,14 @@ def compile_adam(
     maxnreg: str = "auto",
     rule_name: str = "adam",
     rank1: int = 0,
+    fold: bool = False,
 ):
     """``adam_kernel`` compiled for a plan of ``rule_name``'s (a package rule of two or three states with a Triton
     update: its states' signs, its option set, a third state under ``N_STATES=3``), every state in ``bits``-bit codes
     of the built-in format of that width, and the number of elements per thread of its loop. ``rank1``: its second
     state's scales over the matrix (the index of their kind in ``state.layout.SCALE_KINDS``: 1 rank-1, as
-    ``"4bit_rank1"``'s ``exp_avg_sq``; 2 factored, as ``"factored4"``'s)."""
+    ``"4bit_rank1"``'s ``exp_avg_sq``; 2 factored, as ``"factored4"``'s). ``fold``: a factored state's sums taken in
+    the kernel (``FOLD``: its programs strips of rows, as the planner makes them where the rows are whole tiles)."""
     import torch
     import triton.language as tl
 
@@ -120,6 +122,7 @@ def compile_adam(
         M_SIGNED=rule.signed[0],
         V_SIGNED=rule.signed[1],
         PDL=True,
+        FOLD=fold,
     )
     # the encoders' form as the planner picks it for the built-in format of this code width
     layouts = [
@@ -140,7 +143,7 @@ def compile_adam(
     if rank1:
         signature["rank1"] = "*i64"
         del constants["rank1"]
-        cap = None  # as the planner gives a plan with rank-1 scales
+        cap = None if maxnreg == "auto" else cap  # as the planner gives a plan with rank-1 scales
     compiled = compile_kernel(adam_kernel, signature, constants, arch, num_warps, cap)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 

@@ -1,8 +1,9 @@
 """Tune and inspect the fused Adam kernel on CUDA: step time for each (ITERS, PREFETCH, num_warps, register cap,
-TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS), registers and spills.
+TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS, FOLD_ROWS), registers and spills.
 
     python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --iters 1,4,8 --prefetch 0,1 --warps 2,4
     python benchmarks/tune_fused.py --geometry vit_b --dtype bf16 --iters 8 --prefetch 1 --warps 1 --tail 0,32,64
+    python benchmarks/tune_fused.py --state-format factored --iters 8 --prefetch 1 --warps 1 --fold-rows 0,8,32
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ def main():
         help="the one-load encoder for codebooks needing at most this many mantissa bits per exponent "
         "(kernels.tables.FLAT_MAX_BITS; 0: two loads always, 7: dtq8 too)",
     )
+    ap.add_argument(
+        "--fold-rows",
+        default=str(fused.FOLD_ROWS),
+        help="factored states: rows per program of the step that takes their sums (optim.fused.FOLD_ROWS; 0: a first "
+        "pass takes them)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -56,7 +63,7 @@ def main():
     bandwidth = copy_bandwidth("cuda")
     floor = None
     configs = [
-        (i, bool(int(f)), w, r, t, d, b)
+        (i, bool(int(f)), w, r, t, d, b, fr)
         for i in map(int, args.iters.split(","))
         for f in args.prefetch.split(",")
         for w in map(int, args.warps.split(","))
@@ -64,9 +71,11 @@ def main():
         for t in map(int, args.tail.split(","))
         for d in map(int, args.pdl.split(","))
         for b in map(int, args.flat_bits.split(","))
+        for fr in map(int, args.fold_rows.split(","))
     ]
-    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits in configs:
+    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows in configs:
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
+        fused.FOLD_ROWS = fold_rows
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
         fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
         opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
@@ -75,10 +84,10 @@ def main():
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
             print(
-                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | step ms | x floor | host ms | regs "
-                "| spills |"
+                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | step ms | x floor | host ms "
+                "| regs | spills |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
@@ -86,7 +95,8 @@ def main():
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
         print(
             f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
-            f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} | {spills} |"
+            f"| {fold_rows if big.fold_sums else '-'} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
+            f"| {spills} |"
         )
         del opt
         torch.cuda.empty_cache()

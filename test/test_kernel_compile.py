@@ -189,6 +189,7 @@ from torchao_optim.rules import BUILT_IN_RULES
 
 dtype, kind = sys.argv[1], int(sys.argv[2])  # kind: exp_avg_sq's scales, 1 rank-1, 2 factored (SCALE_KINDS' index)
 compiled, _ = compile_adam(dtype, 4, 128, 90, 2, rank1=kind)
+folded = compile_adam(dtype, 4, 128, 90, 1, rank1=kind, fold=True)[0] if kind == 2 else compiled
 rule = next(r for r in BUILT_IN_RULES if r.name == "adam")
 param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
 signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*fp32", "rank1": "*i64",
@@ -199,7 +200,7 @@ constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128
 rows, cols, warps = STATS_TILES[["rank1", "factored"][kind - 1]]
 stats = compile_kernel(rank1_stats_kernel, signature, dict(constants, ROWS=rows, COLS=cols), 90, warps)
 columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
-print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))
+print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))
 """
 
 
@@ -209,7 +210,8 @@ print(len(compiled.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubi
 def test_matrix_scale_kernels_compile_for_sm90(dtype, kind):
     """Scales over a whole matrix on the Triton kernels ("4bit_rank1"'s and "factored4"'s ``exp_avg_sq``): the
     two-state kernel's form for each and the first pass that finds the new maxima or sums (its atomics, fp64 for
-    the sums) compile for sm_90 with their inline PTX, and so does the columns' normalization before it."""
+    the sums) compile for sm_90 with their inline PTX, and so does the columns' normalization before it; for factored
+    states, also the kernel's form that takes the sums itself (``FOLD``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "benchmarks")] + [p for p in [env.get("PYTHONPATH")] if p]

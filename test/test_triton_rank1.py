@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from torchao_optim import Adagrad8bit, AdamW
+from torchao_optim.optim import fused
 from torchao_optim.optim.fused import fused_available
 from torchao_optim.state import QuantizedState
 
@@ -33,6 +34,9 @@ RULES = {
 
 # rows of whole tiles (128 columns), each in one block: the first pass's vector loads (ALIGNED)
 ALIGNED_SHAPES = ((5, 256), (70, 128), (2, 3, 128))
+# rows of whole step tiles (256 columns): factored sums in the step itself (FOLD), no first pass; 40 rows are a strip
+# of FOLD_ROWS (32) and one of 8, two strips side by side
+STRIP_SHAPES = ((5, 256), (40, 512), (2, 2, 256))
 
 
 def _train(make, fused, fmt, shapes=SHAPES):
@@ -53,24 +57,38 @@ def _train(make, fused, fmt, shapes=SHAPES):
 
 
 # Every rule at the edges; AdamW alone on rows of whole tiles in CI (the vector loads are the rule's inputs, the same
-# for every rule), the other rules there with --runslow.
-CASES = [(name, "edges") for name in RULES] + [
-    pytest.param(name, "aligned", marks=() if name == "adamw" else pytest.mark.slow) for name in RULES
+# for every rule), the other rules there with --runslow; on strips, the factored formats with the rules of two and three
+# states (sums in the step); rank-1 scales and one state, which take the first pass there too, with --runslow.
+CASES = [
+    pytest.param(name, shapes_id, fmt, marks=marks)
+    for fmt in FORMATS
+    for name, (_, n) in RULES.items()
+    for shapes_id, marks in (
+        ("edges", ()),
+        ("aligned", () if name == "adamw" else pytest.mark.slow),
+        ("strips", () if n > 1 and fmt != "4bit_rank1" else pytest.mark.slow),
+    )
 ]
+SHAPE_SETS = {"edges": SHAPES, "aligned": ALIGNED_SHAPES, "strips": STRIP_SHAPES}
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name,shapes_id", CASES)
-def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt):
-    shapes = {"edges": SHAPES, "aligned": ALIGNED_SHAPES}[shapes_id]
+@pytest.mark.parametrize("name,shapes_id,fmt", CASES)
+def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt, monkeypatch):
+    monkeypatch.setattr(fused, "FOLD_ROWS", 32)  # strips of 32 rows, whatever the default
+    shapes = SHAPE_SETS[shapes_id]
     make, n_states = RULES[name]
     a, oa = _train(make, True, fmt, shapes)
     b, ob = _train(make, False, fmt, shapes)
     plans = oa._plans[id(oa.param_groups[0])]
     assert plans["rest"] == [] and {plan.executor for plan in plans["plans"]} == {"triton"}
     assert {len(plan.layouts) for plan in plans["plans"]} == {n_states}
-    assert any(plan.rank1 is not None for plan in plans["plans"])
-    assert all(plan.tiles_aligned == (shapes is ALIGNED_SHAPES) for plan in plans["plans"] if plan.rank1 is not None)
+    matrix_plans = [plan for plan in plans["plans"] if plan.rank1 is not None]
+    assert matrix_plans
+    if shapes_id != "strips":
+        assert all(plan.tiles_aligned == (shapes is ALIGNED_SHAPES) for plan in matrix_plans)
+    # factored states in a kernel of two or three states over rows of whole tiles: sums in the step, else a first pass
+    folds = shapes_id == "strips" and fmt != "4bit_rank1" and n_states > 1
+    assert all(plan.fold_sums == folds for plan in matrix_plans)
     rank1 = 0
     for p, q in zip(a, b):
         _assert_params(p, q, tuple(p.shape))

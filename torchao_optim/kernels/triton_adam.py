@@ -9,7 +9,10 @@ for 8-bit blocks of 256, two for 4-bit blocks of 128: fixed costs per tile, the 
 shared by 8 elements per thread), reading the parameter, the gradient and both states once and writing them
 once. With ``PREFETCH`` the loads of the next tile are issued before the current tile is computed, so a program
 keeps memory requests in flight while it decodes, updates and encodes. How a state is read and written is
-``triton_codec``'s, specialized by constexpr: the kernel knows no format.
+``triton_codec``'s, specialized by constexpr: the kernel knows no format. A factored state (``"factored"``) is read
+as its old row and column means and writes no codes; with ``FOLD`` its new values are added into its row and column
+sums here, each program walking a strip of tiles down the rows (``optim.fused.strip_map``), so no first pass reads
+the gradient before the step (:mod:`~torchao_optim.kernels.triton_rank1` is that pass, for the other plans).
 
 The arithmetic is the rule's: its element update, a ``@triton.jit`` function the kernel takes as the constexpr
 ``UPDATE`` (``FusedRule.triton_update``, written in the rule's file: Adam's is ``rules.adam.adam_tile_update``),
@@ -25,7 +28,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # Triton >= 3.4 (torch >= 2.11 has 3.6)
 
-from torchao_optim.kernels.triton_codec import load_codes, load_state, store_state, tile_offsets, whole_mask
+from torchao_optim.kernels.triton_codec import (
+    FACTORED,
+    factored_part,
+    load_codes,
+    load_state,
+    store_state,
+    tile_offsets,
+    whole_mask,
+)
 from torchao_optim.kernels.triton_rounding import rounding_key, stochastic_round_bf16
 
 TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -176,24 +187,40 @@ def _load_tile(
     W_SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
+    ROW_TILE: tl.constexpr = False,
 ):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes and scales
     (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``: ``n_valid`` is the
     whole tile or nothing (``triton_codec.load_codes``). A state whose scales are over the whole matrix (``M_SCALE``,
     ...: 1 rank-1, 2 factored, their index in ``SCALE_KINDS``) reads the tensor as ``rows`` rows of ``cols``; its scales
-    (a factored state: its values) are each element's."""
+    (a factored state: its values) are each element's. ``ROW_TILE``: the tile is whole and lies in one row."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
     m_raw, m_scale = load_codes(
-        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_SCALE, rows, cols
+        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_SCALE, rows, cols, ROW_TILE
     )
     v_raw, v_scale = load_codes(
-        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_SCALE, rows, cols
+        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_SCALE, rows, cols, ROW_TILE
     )
     if N_STATES == 3:
         w_raw, w_scale = load_codes(
-            wc, ws, start, blk, local, n_valid, W_QUANT, W_BITS, QBLOCK, BLOCK, VEC, WHOLE, W_SCALE, rows, cols
+            wc,
+            ws,
+            start,
+            blk,
+            local,
+            n_valid,
+            W_QUANT,
+            W_BITS,
+            QBLOCK,
+            BLOCK,
+            VEC,
+            WHOLE,
+            W_SCALE,
+            rows,
+            cols,
+            ROW_TILE,
         )
         return (
             p,
@@ -295,7 +322,8 @@ def _update_tile(
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
     coefficients (:func:`_load_coefs`, :func:`_load_row`). With ``N_STATES`` 3, the third state's too (the ``w``
     arguments, as the first two states' ``m`` and ``v``). A state with rank-1 scales is encoded with its new maxima
-    (``m_new``, ...: :func:`_load_tile`'s scales were the old ones)."""
+    (``m_new``, ...: :func:`_load_tile`'s scales were the old ones). Returns the new states' fp32 values ``(m, v, w)``
+    (with two states, ``v`` in the third place), which a factored state's sums take."""
     if N_STATES == 3:
         p, g, m_raw, m_scale, v_raw, v_scale, w_raw, w_scale = tile
     else:
@@ -386,6 +414,26 @@ def _update_tile(
             rows,
             cols,
         )
+    third = v
+    if N_STATES == 3:
+        third = w
+    return m, v, third
+
+
+@triton.jit
+def _fold_row(x, sums, row, columns, BLOCK: tl.constexpr):
+    """A factored state's new values ``x`` of one whole tile, inside row ``row``, into its fp64 sums (``sums``: the
+    rows', then the columns'): the tile's total into its row's, one atomic addition; its elements into ``columns``,
+    the program's running sums of its tiles' columns (:func:`_fold_columns` adds them once, after the last)."""
+    v = factored_part(x, tl.arange(0, BLOCK) < BLOCK)
+    tl.atomic_add(sums.to(tl.pointer_type(tl.float64)) + row, tl.sum(v, axis=0), sem="relaxed")
+    return columns + v
+
+
+@triton.jit
+def _fold_columns(columns, sums, rows, c):
+    """A program's column sums (:func:`_fold_row`) into the state's, at columns ``c``: one atomic addition each."""
+    tl.atomic_add(sums.to(tl.pointer_type(tl.float64)) + rows + c, columns, sem="relaxed")
 
 
 @triton.jit
@@ -442,6 +490,8 @@ def adam_kernel(
     M_SCALE: tl.constexpr = 0,
     V_SCALE: tl.constexpr = 0,
     W_SCALE: tl.constexpr = 0,  # each state's kind of scales (its index in SCALE_KINDS): 0 block, 1 rank-1, 2 factored
+    FOLD: tl.constexpr = False,  # factored states' sums taken here, no first pass: each program walks a strip of whole
+    # tiles down its matrix's rows, its tiles cols // BLOCK apart (optim.fused.strip_map), none of them partial
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
     # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
@@ -475,6 +525,16 @@ def adam_kernel(
         rows, cols, m_new, v_new, w_new = 0, 0, 0, 0, 0
     if ALIGNED:  # every address in the tables is a multiple of 16 bytes: loads and stores can be vectors
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
+    if FOLD:  # a strip down the rows: its tiles a row apart; each factored state's column sums held over the loop
+        stride = cols // BLOCK
+        if M_SCALE == FACTORED:
+            m_cols = tl.zeros((BLOCK,), tl.float64)
+        if V_SCALE == FACTORED:
+            v_cols = tl.zeros((BLOCK,), tl.float64)
+        if W_SCALE == FACTORED:
+            w_cols = tl.zeros((BLOCK,), tl.float64)
+    else:
+        stride = 1
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
@@ -509,6 +569,7 @@ def adam_kernel(
             W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
+            ROW_TILE=FOLD,
         )
     if PDL:
         gdc_wait()
@@ -518,7 +579,7 @@ def adam_kernel(
         cf = _load_coefs(coefs + t * 7)
     key, offset = _round_key(round_info, steps, t, SR)
     for i in range(0, n_full):
-        blk = first + i
+        blk = first + i * stride
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
@@ -529,7 +590,7 @@ def adam_kernel(
                 ms,
                 vc,
                 vs,
-                blk + 1,
+                blk + stride,
                 local,
                 more,
                 QBLOCK,
@@ -553,6 +614,7 @@ def adam_kernel(
                 W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
+                ROW_TILE=FOLD,
             )
         else:
             tile = _load_tile(
@@ -586,8 +648,9 @@ def adam_kernel(
                 W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
+                ROW_TILE=FOLD,
             )
-        _update_tile(
+        new = _update_tile(
             tile,
             p_base,
             mc,
@@ -644,7 +707,24 @@ def adam_kernel(
             v_new=v_new,
             w_new=w_new,
         )
-    # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory)
+        if FOLD:
+            r = blk * BLOCK // cols
+            if M_SCALE == FACTORED:
+                m_cols = _fold_row(new[0], m_new, r, m_cols, BLOCK)
+            if V_SCALE == FACTORED:
+                v_cols = _fold_row(new[1], v_new, r, v_cols, BLOCK)
+            if W_SCALE == FACTORED:
+                w_cols = _fold_row(new[2], w_new, r, w_cols, BLOCK)
+    if FOLD:
+        c = (first * BLOCK) % cols + local
+        if M_SCALE == FACTORED:
+            _fold_columns(m_cols, m_new, rows, c)
+        if V_SCALE == FACTORED:
+            _fold_columns(v_cols, v_new, rows, c)
+        if W_SCALE == FACTORED:
+            _fold_columns(w_cols, w_new, rows, c)
+    # decided after the loop, so that no predicate is held across it (ptxas may keep one in local memory); with FOLD
+    # every tile is whole (n_full == count)
     if (n_full < count) & (first * BLOCK + n_full * BLOCK < numel):
         blk = first + n_full
         n_valid = numel - blk * BLOCK

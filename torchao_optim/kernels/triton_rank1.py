@@ -9,7 +9,8 @@ step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decode
 encodes with the new maxima, and the plan stores the new statistics into the states last. Only what those states'
 new values depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the
 gradient and its own codes). :func:`normalize_columns_kernel` makes a factored state's columns over their mean before
-this pass.
+this pass. A plan of two or three states whose only matrix scales are factored, over rows of whole step tiles, needs
+no first pass: its step kernel takes the sums (``adam_kernel``'s ``FOLD``).
 
 Elements are addressed one by one (row times ``cols`` plus column), each state decoded as ``triton_codec`` decodes
 it: a code's value times its scale, the same product the step kernel takes.
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
-from torchao_optim.kernels.triton_codec import FACTORED, RANK1
+from torchao_optim.kernels.triton_codec import FACTORED, RANK1, factored_part
 
 
 # A program reads one small tile: few values a thread, so many programs an SM (larger tiles held so many registers
@@ -117,7 +118,7 @@ def _fold(x, mask, new, r, c, r_ok, c_ok, rows, SCALE: tl.constexpr):
     fp32 mean whatever the order, but where the exact mean lies within the sum's rounding of an fp32 rounding boundary
     (state/factored.py)."""
     if SCALE == FACTORED:
-        v = tl.where(mask & (x > 0.0) & (x <= 3.4028234663852886e38), x, 0.0).to(tl.float64)
+        v = factored_part(x, mask)
         out = new.to(tl.pointer_type(tl.float64))
         tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
         tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")

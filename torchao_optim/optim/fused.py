@@ -70,6 +70,12 @@ MIN_PROGRAMS: int | None = None
 # None: TAIL_TILES_PER_SM per SM on CUDA, none elsewhere.
 TAIL_TILES: int | None = None
 TAIL_TILES_PER_SM = 32
+# A plan of two or three states whose matrix scales are all factored, every matrix's rows whole tiles, takes its
+# factored sums in the step kernel (adam_kernel's FOLD), with no first pass: each program walks a strip one tile wide
+# down FOLD_ROWS rows (a matrix's last strips, fewer), adding a tile's total to its row's sum and holding its column
+# sums until the strip ends, so the column sums cost one atomic addition per FOLD_ROWS elements. 0: always a first pass,
+# the default until the strips are timed on a GPU (benchmarks/tune_fused.py --fold-rows 0,8,32); tested at 32.
+FOLD_ROWS = 0
 # The scale kinds (StateLayout.scale) each fused executor reads
 SCALES_READ = {"cpu": ("block", "rank1", "factored"), "triton": ("block", "rank1", "factored")}
 
@@ -305,6 +311,7 @@ class GroupPlan:
             for k, layout in zip(self.rule.state_keys, self.layouts)
         )
         self.rank1 = None  # the Triton kernels' tables for rank-1 scales (_plan_rank1)
+        self.fold_sums = False  # factored sums taken in the step kernel (_plan_rank1)
         if self.executor == "triton" and any(r is not None for r in self.rows):
             self._plan_rank1(shards, states, device)
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
@@ -398,6 +405,12 @@ class GroupPlan:
             x.to(device) for x in stats_programs(numels, rows, self.stats_tile_shape.rows, tile_cols)
         )
         self.maxnreg = None  # the caps were measured on blockwise scales
+        # factored sums in the step (FOLD_ROWS above): its programs are strips, not runs of consecutive tiles
+        self.fold_sums = FOLD_ROWS > 0 and n_rank1 == 0 and n_states in (2, 3) and all(c % self.tile == 0 for c in cols)
+        if self.fold_sums:
+            maps = strip_map(rows, cols, self.tile, FOLD_ROWS)
+            self.n_programs = len(maps[0])
+            self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device) for x in maps)
 
     def normalize_columns(self) -> None:
         """Each factored matrix's column means over their mean into ``columns``, which the kernels read in place of
@@ -499,6 +512,21 @@ def program_map(numels: Tensor, tile: int, iters: int, tail_tiles: int = 0) -> t
     return tuple(
         torch.cat(xs).to(torch.int32) if xs else torch.zeros(0, dtype=torch.int32) for xs in (tensors, firsts, counts)
     )
+
+
+def strip_map(rows: list[int], cols: list[int], tile: int, strip_rows: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The programs of a plan of matrices of ``rows`` x ``cols`` (each ``cols`` a multiple of ``tile``) as strips: each
+    program's tensor, first tile and number of tiles (int32), its tiles one tile wide down ``strip_rows`` rows (a
+    matrix's last strips, fewer), ``cols // tile`` tiles apart. Strips side by side (the same rows) are consecutive
+    programs."""
+    tensors, firsts, counts = [], [], []
+    for t, (r, c) in enumerate(zip(rows, cols)):
+        across = c // tile
+        starts = torch.arange(0, r, strip_rows)
+        firsts.append((starts[:, None] * across + torch.arange(across)).flatten())
+        counts.append((r - starts).clamp(max=strip_rows).repeat_interleave(across))
+        tensors.append(torch.full(firsts[-1].shape, t))
+    return tuple(torch.cat(xs).to(torch.int32) for xs in (tensors, firsts, counts))
 
 
 def spread_iters(numels: Tensor, tile: int, min_programs: int) -> int:

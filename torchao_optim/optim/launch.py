@@ -148,6 +148,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
         PDL=plan.pdl,
         M_SCALE=rank1[0],
         V_SCALE=rank1[1],
+        FOLD=plan.fold_sums,
         **third,
         num_warps=plan.num_warps,
         **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
@@ -169,6 +170,8 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
     plan.maxima.zero_()
     plan.sums.zero_()
     plan.normalize_columns()
+    if plan.fold_sums:  # the step kernel takes the sums (FOLD): no first pass
+        return rank1
     n_states = len(plan.layouts)
     decode = plan.tables[0::3] + (None,) * (3 - n_states)  # each state's decode table
     flags = {}
