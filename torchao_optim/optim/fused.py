@@ -340,11 +340,12 @@ class GroupPlan:
         """What the Triton kernels read for states with scales over a whole matrix (rank-1 maxima, factored means):
         ``rank1`` (int64, a row per tensor: its matrix's rows, then each state's new statistics' address, 0 for a
         blockwise state), ``maxima`` (one fp32 buffer of every rank-1 state's new maxima) and ``sums`` (one fp64 buffer
-        of every factored state's new row and column sums), both zeroed before each step's first pass, the first
-        pass's program map, and the copies that make the new statistics the states' own after the step (``stats_into``
-        from ``stats_from``; a factored state's from ``means``, the sums over ``divisors``). A factored state's codes
-        field is its column means; the pointer table points the kernels at ``columns`` instead, those means over their
-        mean, made before each first pass (:meth:`normalize_columns`)."""
+        of every factored state's new row and column sums), both zeroed before each step, the first pass's program
+        map, and the copies that make the new statistics the states' own after the step (``stats_into`` from
+        ``stats_from``; a factored state's from ``means``, the sums over ``divisors``). A factored state's codes field
+        is its column means; the pointer table points the kernels at ``columns`` instead, those means over their mean,
+        made before each step (:meth:`normalize_columns`). ``fold_sums``: the step kernel takes the factored sums
+        itself (:data:`FOLD_ROWS`), its programs strips (:func:`strip_map`), and there is no first pass."""
         from torchao_optim.kernels.triton_rank1 import stats_programs, stats_tile
 
         per_state = [r.tolist() if r is not None else None for r in self.rows]

@@ -161,7 +161,9 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
     """Each state's kind of scales, as the Triton kernels' ``SCALE`` constexprs take it (its index in
     ``state.layout.SCALE_KINDS``: 0 one per block, 1 rank-1, 2 factored); where a state's scales are over the whole
     matrix, the first pass (``triton_rank1.rank1_stats_kernel``): their new maxima, into ``plan.maxima``, and their
-    new sums, into ``plan.sums``, a factored state decoded with its columns over their mean (made first)."""
+    new sums, into ``plan.sums``, a factored state decoded with its columns over their mean (made first). A plan that
+    folds its factored sums into the step (``plan.fold_sums``) has its sums zeroed and its columns made, and no first
+    pass."""
     rank1 = tuple(SCALE_KINDS.index(layout.scale) for layout in plan.layouts) + (0,) * (3 - len(plan.layouts))
     if plan.rank1 is None:
         return rank1
