@@ -527,6 +527,7 @@ def adam_kernel(
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     if FOLD:  # a strip down the rows: its tiles a row apart; each factored state's column sums held over the loop
         stride = cols // BLOCK
+        row0 = first // stride  # the strip's first row: tile i lies in row row0 + i
         if M_SCALE == FACTORED:
             m_cols = tl.zeros((BLOCK,), tl.float64)
         if V_SCALE == FACTORED:
@@ -708,7 +709,7 @@ def adam_kernel(
             w_new=w_new,
         )
         if FOLD:
-            r = blk * BLOCK // cols
+            r = row0 + i
             if M_SCALE == FACTORED:
                 m_cols = _fold_row(new[0], m_new, r, m_cols, BLOCK)
             if V_SCALE == FACTORED:

@@ -403,16 +403,18 @@ class GroupPlan:
         self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        self.stats_tensor, self.stats_tile = (
-            x.to(device) for x in stats_programs(numels, rows, self.stats_tile_shape.rows, tile_cols)
-        )
         self.maxnreg = None  # the caps were measured on blockwise scales
-        # factored sums in the step (FOLD_ROWS above): its programs are strips, not runs of consecutive tiles
+        # factored sums in the step (FOLD_ROWS above): its programs are strips, not runs of consecutive tiles, and
+        # there is no first pass; else the first pass's programs
         self.fold_sums = FOLD_ROWS > 0 and n_rank1 == 0 and n_states in (2, 3) and all(c % self.tile == 0 for c in cols)
         if self.fold_sums:
             maps = strip_map(rows, cols, self.tile, FOLD_ROWS)
             self.n_programs = len(maps[0])
             self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device) for x in maps)
+        else:
+            self.stats_tensor, self.stats_tile = (
+                x.to(device) for x in stats_programs(numels, rows, self.stats_tile_shape.rows, tile_cols)
+            )
 
     def normalize_columns(self) -> None:
         """Each factored matrix's column means over their mean into ``columns``, which the kernels read in place of
