@@ -188,20 +188,53 @@ def _load_tile(
     rows=0,
     cols=0,
     ROW_TILE: tl.constexpr = False,
+    row=0,
 ):
     """The raw inputs of tile ``blk`` (its first ``n_valid`` elements): param, grad, and each state's codes and scales
     (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``: ``n_valid`` is the
     whole tile or nothing (``triton_codec.load_codes``). A state whose scales are over the whole matrix (``M_SCALE``,
     ...: 1 rank-1, 2 factored, their index in ``SCALE_KINDS``) reads the tensor as ``rows`` rows of ``cols``; its scales
-    (a factored state: its values) are each element's. ``ROW_TILE``: the tile is whole and lies in one row."""
+    (a factored state: its values) are each element's. ``ROW_TILE``: the tile is whole and lies in row ``row``."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
     m_raw, m_scale = load_codes(
-        mc, ms, start, blk, local, n_valid, M_QUANT, M_BITS, QBLOCK, BLOCK, VEC, WHOLE, M_SCALE, rows, cols, ROW_TILE
+        mc,
+        ms,
+        start,
+        blk,
+        local,
+        n_valid,
+        M_QUANT,
+        M_BITS,
+        QBLOCK,
+        BLOCK,
+        VEC,
+        WHOLE,
+        M_SCALE,
+        rows,
+        cols,
+        ROW_TILE,
+        row,
     )
     v_raw, v_scale = load_codes(
-        vc, vs, start, blk, local, n_valid, V_QUANT, V_BITS, QBLOCK, BLOCK, VEC, WHOLE, V_SCALE, rows, cols, ROW_TILE
+        vc,
+        vs,
+        start,
+        blk,
+        local,
+        n_valid,
+        V_QUANT,
+        V_BITS,
+        QBLOCK,
+        BLOCK,
+        VEC,
+        WHOLE,
+        V_SCALE,
+        rows,
+        cols,
+        ROW_TILE,
+        row,
     )
     if N_STATES == 3:
         w_raw, w_scale = load_codes(
@@ -221,6 +254,7 @@ def _load_tile(
             rows,
             cols,
             ROW_TILE,
+            row,
         )
         return (
             p,
@@ -535,7 +569,7 @@ def adam_kernel(
         if W_SCALE == FACTORED:
             w_cols = tl.zeros((BLOCK,), tl.float64)
     else:
-        stride = 1
+        stride, row0 = 1, 0
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
@@ -571,6 +605,7 @@ def adam_kernel(
             rows=rows,
             cols=cols,
             ROW_TILE=FOLD,
+            row=row0,
         )
     if PDL:
         gdc_wait()
@@ -616,6 +651,7 @@ def adam_kernel(
                 rows=rows,
                 cols=cols,
                 ROW_TILE=FOLD,
+                row=row0 + i + 1,
             )
         else:
             tile = _load_tile(
@@ -650,6 +686,7 @@ def adam_kernel(
                 rows=rows,
                 cols=cols,
                 ROW_TILE=FOLD,
+                row=row0 + i,
             )
         new = _update_tile(
             tile,

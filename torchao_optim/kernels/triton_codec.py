@@ -247,17 +247,18 @@ def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr)
 
 @triton.jit
 def factored_values(
-    row_means, columns, cols, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr = False
+    row_means, columns, cols, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr = False, row=0
 ):
     """A factored state's values (``StateLayout.scale`` ``"factored"``) at elements ``start + local`` (the first
     ``n_valid`` exist; 0 past them) of a matrix of ``cols`` columns: ``row_means[r] * columns[c]``, ``columns`` being
     its column means over their mean (made once per step, as the C step makes them), as ``FactoredState``'s
     dequantize takes them. ``ROW_TILE``: the tile is whole or absent (``n_valid`` 0: a prefetch past the strip's end,
-    which reads nothing) and lies in one row (its row mean one load, its columns one vector)."""
+    which reads nothing) and lies in row ``row``, which the caller knows (its row mean one load, its columns one
+    vector; no division: a 64-bit one is a call and a branch in the loop, and the branch would keep ptxas from
+    moving the next tile's code unpacking past this tile's update)."""
     if ROW_TILE:
-        r = start // cols
-        x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=n_valid > 0, other=0.0)
-        c = (start - r * cols) + local
+        x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + row, mask=n_valid > 0, other=0.0)
+        c = (start - row * cols) + local
         return x * tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
     r, c = _row_col(start, local, cols, BLOCK)
     mask = local < n_valid
@@ -328,6 +329,7 @@ def load_codes(
     rows=0,
     cols=0,
     ROW_TILE: tl.constexpr = False,
+    row=0,
 ):
     """The raw contents of one state on tile ``blk``: ``local`` (BLOCK,) offsets from element ``start``, of
     which the first ``n_valid`` exist; the tile holds ``BLOCK // QBLOCK`` quantization blocks. Returns (the code
@@ -343,9 +345,9 @@ def load_codes(
     state's scales are over a matrix of ``rows`` rows of ``cols`` (its kind's index in ``SCALE_KINDS``): 1, rank-1
     scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
     factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means), the values
-    returned in place of the scales (:func:`factored_values`; ``ROW_TILE``: the tile is whole and in one row)."""
+    returned in place of the scales (:func:`factored_values`; ``ROW_TILE``: the tile is whole and in row ``row``)."""
     if QUANT and SCALE == FACTORED:  # no codes: the values (the "scale") are the row mean times the column's
-        return local * 0, factored_values(scales, codes, cols, start, local, n_valid, BLOCK, ROW_TILE)
+        return local * 0, factored_values(scales, codes, cols, start, local, n_valid, BLOCK, ROW_TILE, row)
     elif QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
