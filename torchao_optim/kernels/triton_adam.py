@@ -150,7 +150,7 @@ def _opaque(codes, QUANT: tl.constexpr, PTX: tl.constexpr):
     next tile are held across the loop's back edge; knowing they are bytes, LLVM would hold them in 16-bit
     registers and mask them again where they are decoded: two instructions per element. Triton's interpreter
     runs no PTX."""
-    if QUANT and PTX:
+    if QUANT and PTX and codes.dtype == tl.int32:  # a factored state's "codes" are its row means (fp32)
         codes = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [codes], dtype=tl.int32, is_pure=True, pack=1)
     return codes
 

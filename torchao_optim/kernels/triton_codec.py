@@ -246,24 +246,25 @@ def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def factored_values(
+def factored_means(
     row_means, columns, cols, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr = False, row=0
 ):
-    """A factored state's values (``StateLayout.scale`` ``"factored"``) at elements ``start + local`` (the first
-    ``n_valid`` exist; 0 past them) of a matrix of ``cols`` columns: ``row_means[r] * columns[c]``, ``columns`` being
-    its column means over their mean (made once per step, as the C step makes them), as ``FactoredState``'s
-    dequantize takes them. ``ROW_TILE``: the tile is whole or absent (``n_valid`` 0: a prefetch past the strip's end,
-    which reads nothing) and lies in row ``row``, which the caller knows (its row mean one load, its columns one
-    vector; no division: a 64-bit one is a call and a branch in the loop, and the branch would keep ptxas from
-    moving the next tile's code unpacking past this tile's update)."""
+    """The two factors of a factored state's values (``StateLayout.scale`` ``"factored"``) at elements ``start +
+    local`` (the first ``n_valid`` exist; 0 past them) of a matrix of ``cols`` columns: ``(row_means[r], columns[c])``,
+    ``columns`` being its column means over their mean (made once per step, as the C step makes them); their product
+    is the value ``FactoredState``'s dequantize takes, and :func:`load_state` takes it. Kept apart until then, so that a
+    prefetched tile's product is not taken (and waited for) at its load. ``ROW_TILE``: the tile is whole or absent
+    (``n_valid`` 0: a prefetch past the strip's end, which reads nothing) and lies in row ``row``, which the caller
+    knows: its row mean is one scalar load, its columns one vector, and no division is made (a 64-bit one is a call
+    and a branch in the loop, and the branch keeps ptxas from moving the next tile's code unpacking past this
+    tile's update)."""
     if ROW_TILE:
         x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + row, mask=n_valid > 0, other=0.0)
         c = (start - row * cols) + local
-        return x * tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
-    r, c = _row_col(start, local, cols, BLOCK)
-    mask = local < n_valid
-    x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=mask, other=0.0)
-    return x * tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=mask, other=0.0)
+    else:
+        r, c = _row_col(start, local, cols, BLOCK)
+        x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=local < n_valid, other=0.0)
+    return x, tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
 
 
 @triton.jit
@@ -344,10 +345,13 @@ def load_codes(
     per byte to Triton), and are decoded and stored so (:func:`load_state`, :func:`store_state`). ``SCALE``: the
     state's scales are over a matrix of ``rows`` rows of ``cols`` (its kind's index in ``SCALE_KINDS``): 1, rank-1
     scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
-    factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means), the values
-    returned in place of the scales (:func:`factored_values`; ``ROW_TILE``: the tile is whole and in row ``row``)."""
-    if QUANT and SCALE == FACTORED:  # no codes: the values (the "scale") are the row mean times the column's
-        return local * 0, factored_values(scales, codes, cols, start, local, n_valid, BLOCK, ROW_TILE, row)
+    factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means): returns its row
+    means and its columns, whose product :func:`load_state` takes (:func:`factored_means`; ``ROW_TILE``: the tile is
+    whole and in row ``row``)."""
+    # one return, after the branches (only the constant conditions' branch is compiled): Triton unifies the types of
+    # a function's returns, and a factored state's are not the codes'
+    if QUANT and SCALE == FACTORED:  # no codes: the values are the row mean times the column's
+        raw, scale = factored_means(scales, codes, cols, start, local, n_valid, BLOCK, ROW_TILE, row)
     elif QUANT:
         if BITS == 8:
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start + local, mask=local < n_valid, other=0)
@@ -363,11 +367,12 @@ def load_codes(
             scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         else:
             scales = scales.to(tl.pointer_type(tl.float32))
-            row = tl.arange(0, BLOCK // QBLOCK)
-            scale = tl.load(scales + blk * (BLOCK // QBLOCK) + row, mask=row * QBLOCK < n_valid, other=0.0)
-        return raw, scale
+            which = tl.arange(0, BLOCK // QBLOCK)
+            scale = tl.load(scales + blk * (BLOCK // QBLOCK) + which, mask=which * QBLOCK < n_valid, other=0.0)
     else:
-        return tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=local < n_valid, other=0.0), 0.0
+        raw = tl.load(codes.to(tl.pointer_type(tl.float32)) + start + local, mask=local < n_valid, other=0.0)
+        scale = 0.0
+    return raw, scale
 
 
 @triton.jit
@@ -386,8 +391,8 @@ def load_state(
     """The state's fp32 values from what :func:`load_codes` returned: one table load per element, or with 4-bit
     codes one 8-byte load per code byte, from ``values`` as ``quant.codec.nibble_pairs`` lays it out (both of its
     elements' values: the low nibble's in the low word). ``VEC``, ``WHOLE`` and ``SCALE``: :func:`load_codes`'."""
-    if QUANT and SCALE == FACTORED:
-        return scale
+    if QUANT and SCALE == FACTORED:  # raw: the row means, scale: the columns (factored_means)
+        return raw * scale
     elif QUANT:
         if BITS == 8:
             x = tl.load(values + raw)

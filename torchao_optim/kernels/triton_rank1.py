@@ -76,7 +76,7 @@ def _state_at(
     every array, so a row's 4-bit codes are one load (half as many bytes as the tile has columns: the tile's shape is
     ``e``'s), split into nibbles in registers, and its block scale one load."""
     codes, scales = tl.load(row + 1 + 2 * K), tl.load(row + 2 + 2 * K)
-    if QUANT and SCALE == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_values)
+    if QUANT and SCALE == FACTORED:  # the row means times the columns over their mean (triton_codec.factored_means)
         row_mean = tl.load(scales.to(tl.pointer_type(tl.float32)) + r, mask=r_ok, other=0.0)
         return row_mean[:, None] * tl.load(codes.to(tl.pointer_type(tl.float32)) + c, mask=c_ok, other=0.0)[None, :]
     elif QUANT:
