@@ -130,12 +130,13 @@ def _round_key(round_info, steps, t, SR: tl.constexpr):
 
 
 @triton.jit
-def _codes_pointer(address, QUANT: tl.constexpr, BITS: tl.constexpr, ALIGNED: tl.constexpr):
-    """A state's codes (uint8) or plain values (fp32) as a typed pointer, declared 16-byte aligned where the plan's
-    addresses are (``ALIGNED``). The hint is set here, on the cast itself: a hint on the value this function
-    returns would be lost when the call is inlined. With it, a thread's 4-bit codes are the bytes of its own
-    elements, loaded as one vector (without it, a byte per lane and a shuffle into place)."""
-    if QUANT:
+def _codes_pointer(address, QUANT: tl.constexpr, ALIGNED: tl.constexpr, SCALE: tl.constexpr = 0):
+    """A state's codes (uint8), or its fp32 values (a plain state; a factored one's columns, ``SCALE``), as a typed
+    pointer, declared 16-byte aligned where the plan's addresses are (``ALIGNED``). The hint is set here, on the
+    cast itself: a hint on the value this function returns would be lost when the call is inlined. With it, a
+    thread's 4-bit codes are the bytes of its own elements, loaded as one vector (without it, a byte per lane and a
+    shuffle into place), and a factored state's columns a vector per run of a thread's elements."""
+    if QUANT and SCALE != FACTORED:
         ptr = address.to(tl.pointer_type(tl.uint8))
     else:
         ptr = address.to(tl.pointer_type(tl.float32))
@@ -544,9 +545,9 @@ def adam_kernel(
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     mc, ms, vc, vs = tl.load(row + 1), tl.load(row + 2), tl.load(row + 3), tl.load(row + 4)
-    mc, vc = _codes_pointer(mc, M_QUANT, M_BITS, ALIGNED), _codes_pointer(vc, V_QUANT, V_BITS, ALIGNED)
+    mc, vc = _codes_pointer(mc, M_QUANT, ALIGNED, M_SCALE), _codes_pointer(vc, V_QUANT, ALIGNED, V_SCALE)
     if N_STATES == 3:
-        wc, ws = _codes_pointer(tl.load(row + 5), W_QUANT, W_BITS, ALIGNED), tl.load(row + 6)
+        wc, ws = _codes_pointer(tl.load(row + 5), W_QUANT, ALIGNED, W_SCALE), tl.load(row + 6)
     else:
         wc, ws = None, None
     if M_SCALE or V_SCALE or W_SCALE:  # the tensor as a matrix, and the new maxima its rank-1 states are encoded with

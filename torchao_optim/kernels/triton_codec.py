@@ -258,13 +258,17 @@ def factored_means(
     knows: its row mean is one scalar load, its columns one vector, and no division is made (a 64-bit one is a call
     and a branch in the loop, and the branch keeps ptxas from moving the next tile's code unpacking past this
     tile's update)."""
-    if ROW_TILE:
+    if ROW_TILE:  # the tile's first column a multiple of BLOCK: with an aligned ``columns`` (as the kernels declare
+        # it where the plan's addresses are) a vector per run of a thread's elements, under one predicate
         x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + row, mask=n_valid > 0, other=0.0)
-        c = (start - row * cols) + local
+        first = tl.multiple_of((start - row * cols).to(tl.int32), BLOCK)
+        return x, tl.load(
+            columns.to(tl.pointer_type(tl.float32)) + first + local, mask=whole_mask(n_valid, BLOCK), other=0.0
+        )
     else:
         r, c = _row_col(start, local, cols, BLOCK)
         x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=local < n_valid, other=0.0)
-    return x, tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
+        return x, tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
 
 
 @triton.jit

@@ -149,7 +149,7 @@ def momentum_kernel(
     local = tile_offsets(BLOCK, VEC)
     p_base = tl.load(row + 0).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
-    sc = _codes_pointer(tl.load(row + 1), S_QUANT, S_BITS, ALIGNED)
+    sc = _codes_pointer(tl.load(row + 1), S_QUANT, ALIGNED, S_SCALE)
     ss = tl.load(row + 2)
     if S_SCALE:  # as in adam_kernel
         rows = tl.load(rank1 + 2 * t)
