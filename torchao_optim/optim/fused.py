@@ -55,6 +55,11 @@ MAXNREG = None  # where set, the register cap of every two-state kernel instead 
 # 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
 # 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
 REGISTER_CAPS = {(8, 2): 80, (4, 2): 80, (4, 4): 80}
+# Register caps of a two-state plan that takes its factored sums in the step (FOLD_ROWS), by parameter bytes:
+# ptxas's choice (148-168 registers) leaves 8-12 one-warp programs an SM, too few to hide the strip's loads. Measured
+# on an H100 with benchmarks/tune_fused.py (--maxnreg), TinyLlama geometry, no spills: "factored" fp32 5.85 -> 5.54
+# ms under 128, bf16 4.21 -> 3.58 under 96; "factored4" fp32 5.65 -> 5.03, bf16 3.46 -> 3.07 (benchmarks/README.md).
+FOLD_CAPS = {4: 128, 2: 96}
 FP32_BLOCK = 256  # elements per block when neither state is quantized
 MIN_TILE = 256  # elements per register tile at least: smaller quantization blocks share a tile (4-bit: two)
 MAX_BLOCK = 4096  # a program holds one block in registers (two with PREFETCH)
@@ -315,6 +320,8 @@ class GroupPlan:
         self.fold_sums = False  # factored sums taken in the step kernel (_plan_rank1)
         if self.executor == "triton" and any(r is not None for r in self.rows):
             self._plan_rank1(shards, states, device)
+            if self.fold_sums and MAXNREG is None and len(self.layouts) == 2:
+                self.maxnreg = FOLD_CAPS.get(param_dtype.itemsize)
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -403,7 +410,9 @@ class GroupPlan:
         self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        self.maxnreg = None  # the caps were measured on blockwise scales
+        # REGISTER_CAPS were measured on blockwise scales: FOLD_CAPS' where the step takes the factored sums, else
+        # none; MAXNREG, where set, for every plan
+        self.maxnreg = MAXNREG or None
         # factored sums in the step (FOLD_ROWS above): its programs are strips, not runs of consecutive tiles, and
         # there is no first pass; else the first pass's programs
         self.fold_sums = FOLD_ROWS > 0 and n_rank1 == 0 and n_states in (2, 3) and all(c % self.tile == 0 for c in cols)
