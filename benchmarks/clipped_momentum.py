@@ -35,10 +35,8 @@ if HERE not in sys.path:
 import fourbit_variants  # noqa: E402,F401  (registers the variant formats VARIANTS names)
 import optimizers  # noqa: E402
 
-import torchao_optim  # noqa: E402
-from torchao_optim.rules import adam  # noqa: E402
 from torchao_optim.rules.adam import adam_tile_update, adam_update  # noqa: E402
-from torchao_optim.rules.base import FusedRule, sqrt_rn, triton_jit  # noqa: E402
+from torchao_optim.rules.base import sqrt_rn  # noqa: E402
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -101,27 +99,13 @@ def clipped_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.cons
     return adam_tile_update(p, g, m, v, coefs, DECOUPLED, PTX)
 
 
-CLIPPED = FusedRule(
+AdamWClipped = optimizers.adamw_variant(
+    "AdamWClipped",
     "adam_clipped",
-    ("exp_avg", "exp_avg_sq"),
-    (True, False),
-    adam.COEFS,
-    adam.adam_coefficients,
-    option="decoupled",
-    triton_update=triton_jit(clipped_tile_update, calls=(adam_tile_update,)),
-    triton_coefficients=adam.ADAM.triton_coefficients,
+    clipped_update,
+    clipped_tile_update,
+    "``torchao_optim.AdamW`` with the decoded ``exp_avg`` held to Adam's bound (this module's docstring).",
 )
-
-
-class AdamWClipped(torchao_optim.AdamW):
-    """``torchao_optim.AdamW`` with the decoded ``exp_avg`` held to Adam's bound (this module's docstring)."""
-
-    update_fn = staticmethod(clipped_update)
-
-    def _fused_rule(self, group):
-        if group["amsgrad"]:
-            raise ValueError("the clipped-momentum variant does not take amsgrad")
-        return CLIPPED
 
 
 VARIANTS = {
@@ -132,13 +116,4 @@ VARIANTS = {
     "AdamW8bit-clip": "dtq8",
 }
 
-for _name, _fmt in VARIANTS.items():
-    optimizers.register_optimizer(
-        optimizers.OptimizerEntry(
-            _name,
-            f"AdamW, {_fmt} state, exp_avg held to Adam's bound C sqrt(exp_avg_sq)",
-            optimizers._ours(AdamWClipped, state_format=_fmt),
-            None,
-            _fmt,
-        )
-    )
+optimizers.register_ours(VARIANTS, AdamWClipped, "exp_avg held to Adam's bound C sqrt(exp_avg_sq)")

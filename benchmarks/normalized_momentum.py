@@ -37,10 +37,8 @@ if HERE not in sys.path:
 import fourbit_variants  # noqa: E402,F401  (registers the variant formats VARIANTS names)
 import optimizers  # noqa: E402
 
-import torchao_optim  # noqa: E402
-from torchao_optim.rules import adam  # noqa: E402
 from torchao_optim.rules.adam import adam_tile_update, adam_update  # noqa: E402
-from torchao_optim.rules.base import FusedRule, sqrt_rn, triton_jit  # noqa: E402
+from torchao_optim.rules.base import sqrt_rn  # noqa: E402
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -97,27 +95,13 @@ def normalized_tile_update(p, g, r, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.c
     return p, r, v
 
 
-NORMALIZED = FusedRule(
+AdamWNormalized = optimizers.adamw_variant(
+    "AdamWNormalized",
     "adam_normalized",
-    ("exp_avg", "exp_avg_sq"),
-    (True, False),
-    adam.COEFS,
-    adam.adam_coefficients,
-    option="decoupled",
-    triton_update=triton_jit(normalized_tile_update, calls=(adam_tile_update,)),
-    triton_coefficients=adam.ADAM.triton_coefficients,
+    normalized_update,
+    normalized_tile_update,
+    "``torchao_optim.AdamW`` with ``exp_avg`` stored normalized (this module's docstring).",
 )
-
-
-class AdamWNormalized(torchao_optim.AdamW):
-    """``torchao_optim.AdamW`` with ``exp_avg`` stored normalized (this module's docstring)."""
-
-    update_fn = staticmethod(normalized_update)
-
-    def _fused_rule(self, group):
-        if group["amsgrad"]:
-            raise ValueError("the normalized-momentum variant does not take amsgrad")
-        return NORMALIZED
 
 
 def rounded_normalized_update(*args, **kwargs):
@@ -149,13 +133,7 @@ VARIANTS = {
 }
 ROUNDED = {"AdamW4bit-nmq": "4bit", "AdamW4bit-nmq-vsq": "4bit_vsq"}  # AdamWNormalizedRounded, compiled path
 
-for _table, _cls, _what in (
-    (VARIANTS, AdamWNormalized, "exp_avg stored over sqrt(exp_avg_sq)"),
-    (ROUNDED, AdamWNormalizedRounded, "exp_avg stored over the rounded sqrt(exp_avg_sq) (compiled path)"),
-):
-    for _name, _fmt in _table.items():
-        optimizers.register_optimizer(
-            optimizers.OptimizerEntry(
-                _name, f"AdamW, {_fmt} state, {_what}", optimizers._ours(_cls, state_format=_fmt), None, _fmt
-            )
-        )
+optimizers.register_ours(VARIANTS, AdamWNormalized, "exp_avg stored over sqrt(exp_avg_sq)")
+optimizers.register_ours(
+    ROUNDED, AdamWNormalizedRounded, "exp_avg stored over the rounded sqrt(exp_avg_sq) (compiled path)"
+)

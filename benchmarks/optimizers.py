@@ -414,6 +414,49 @@ def register_optimizer(entry: OptimizerEntry) -> OptimizerEntry:
     return entry
 
 
+def adamw_variant(class_name: str, rule_name: str, update: Callable, tile_update: Callable, doc: str) -> type:
+    """A subclass of ``torchao_optim.AdamW``, named ``class_name``, whose element update is ``update`` on the compiled
+    path (Adam's arguments) and ``tile_update`` on the fused Triton kernels (a function of Adam's tile arguments that
+    may call ``rules.adam.adam_tile_update``): Adam's two states and coefficients, no amsgrad. For the benchmark-only
+    candidates of the 4-bit study (``normalized_momentum.py``, ``clipped_momentum.py``)."""
+    from torchao_optim.rules import adam
+    from torchao_optim.rules.base import FusedRule, triton_jit
+
+    rule = FusedRule(
+        rule_name,
+        ("exp_avg", "exp_avg_sq"),
+        (True, False),
+        adam.COEFS,
+        adam.adam_coefficients,
+        option="decoupled",
+        triton_update=triton_jit(tile_update, calls=(adam.adam_tile_update,)),
+        triton_coefficients=adam.ADAM.triton_coefficients,
+    )
+
+    class Variant(torchao_optim.AdamW):
+        update_fn = staticmethod(update)
+
+        def _fused_rule(self, group):
+            if group["amsgrad"]:
+                raise ValueError(f"the {rule_name} variant does not take amsgrad")
+            return rule
+
+    Variant.__name__ = Variant.__qualname__ = class_name
+    Variant.__doc__ = doc
+    Variant.rule = rule
+    return Variant
+
+
+def register_ours(table: dict[str, str], cls: type, what: str, **options) -> None:
+    """Register ``cls`` (a torchao_optim optimizer) under each name of ``table`` with that name's state format."""
+    for name, fmt in table.items():
+        register_optimizer(
+            OptimizerEntry(
+                name, f"{cls.__name__}, {fmt} state, {what}", _ours(cls, state_format=fmt, **options), None, fmt
+            )
+        )
+
+
 # Names the benchmarks used before they shared this table: still accepted.
 ALIASES = {
     "torch_fused": "AdamWTorchFused",
