@@ -59,30 +59,17 @@ def clipped_update(
     max_exp_avg_sq,
     coefs,
     *,
-    decoupled_weight_decay,
     amsgrad,
-    maximize,
-    round_key=None,
+    **options,
 ):
     """The compiled path's update (plain tensor code, any state format): Adam's, on ``exp_avg`` clamped to
-    ``C * sqrt(exp_avg_sq)`` as decoded."""
+    ``C * sqrt(exp_avg_sq)`` as decoded. ``options``: ``adam_update``'s."""
     if amsgrad:
         raise ValueError("the clipped-momentum variant does not take amsgrad")
     v = exp_avg_sq * 1.0
     bound = moment_bound(coefs[3].double(), coefs[4].double()).to(v.dtype) * sqrt_rn(v)
     m = torch.minimum(torch.maximum(exp_avg * 1.0, -bound), bound)
-    adam_update(
-        param,
-        grad,
-        m,
-        v,
-        None,
-        coefs,
-        decoupled_weight_decay=decoupled_weight_decay,
-        amsgrad=False,
-        maximize=maximize,
-        round_key=round_key,
-    )
+    adam_update(param, grad, m, v, None, coefs, amsgrad=False, **options)
     exp_avg.copy_(m)
     exp_avg_sq.copy_(v)
 

@@ -52,33 +52,20 @@ def normalized_update(
     max_exp_avg_sq,
     coefs,
     *,
-    decoupled_weight_decay,
     amsgrad,
-    maximize,
-    round_key=None,
     rounded=False,
+    **options,
 ):
     """The compiled path's update (plain tensor code, any state format); ``exp_avg`` holds ``r``. ``rounded``: ``r``
     is taken over the square root of ``exp_avg_sq`` as its new code decodes (written first and read back), the value
-    the next step rebuilds ``exp_avg`` with, instead of the value before rounding."""
+    the next step rebuilds ``exp_avg`` with, instead of the value before rounding. ``options``: ``adam_update``'s."""
     if amsgrad:
         raise ValueError("the normalized-momentum variant does not take amsgrad")
     eps = coefs[6]
     v = exp_avg_sq * 1.0
     m = exp_avg * (sqrt_rn(v) + eps)
     # Adam's own update on the rebuilt moment: m and v become the new moments (a skipped element's stay)
-    adam_update(
-        param,
-        grad,
-        m,
-        v,
-        None,
-        coefs,
-        decoupled_weight_decay=decoupled_weight_decay,
-        amsgrad=False,
-        maximize=maximize,
-        round_key=round_key,
-    )
+    adam_update(param, grad, m, v, None, coefs, amsgrad=False, **options)
     exp_avg_sq.copy_(v)
     scale = sqrt_rn(exp_avg_sq * 1.0 if rounded else v) + eps
     exp_avg.copy_(torch.where(scale > 0, m / scale, 0.0))

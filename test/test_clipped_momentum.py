@@ -7,23 +7,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmark_scripts import BENCHMARKS, load_benchmark
+from benchmark_scripts import run_benchmark_modules
 
 from torchao_optim import AdamW
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.state import registry
 
-bench = load_benchmark("benchmark_convergence")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETAS = (0.9, 0.95)
 
 
 @pytest.fixture
 def cm(monkeypatch):
-    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
-    monkeypatch.setattr(bench.optimizers, "_REGISTERED", dict(bench.optimizers._REGISTERED))
-    bench.runpy.run_path(str(BENCHMARKS / "fourbit_variants.py"))  # its formats, into this test's registry
-    return bench.runpy.run_path(str(BENCHMARKS / "clipped_momentum.py"))
+    return run_benchmark_modules(monkeypatch, "fourbit_variants", "clipped_momentum")
 
 
 def _train(make, steps=20, nan_at=None, rows=64):

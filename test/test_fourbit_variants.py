@@ -5,12 +5,11 @@ import json
 
 import pytest
 import torch
-from benchmark_scripts import BENCHMARKS, load_benchmark
+from benchmark_scripts import BENCHMARKS, load_benchmark, run_benchmark_modules
 
 import torchao_optim
 from torchao_optim.optim.explain import route
 from torchao_optim.quant import dynamic_map_values
-from torchao_optim.state import registry
 from torchao_optim.state.fourbit import balanced_map, square_map
 
 bench = load_benchmark("benchmark_convergence")
@@ -22,10 +21,7 @@ TINY = bench.PRESETS["tiny"].model
 def variants(monkeypatch):
     """Load the variants as benchmark_convergence.py's --formats_from does; the formats and optimizers they register
     are forgotten after the test, so that the other tests' sweeps over every registered format do not see them."""
-    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
-    monkeypatch.setattr(bench.optimizers, "_REGISTERED", dict(bench.optimizers._REGISTERED))
-    names = bench.runpy.run_path(VARIANTS_FILE)["VARIANTS"]
-    return names
+    return run_benchmark_modules(monkeypatch, "fourbit_variants")["VARIANTS"]
 
 
 def test_variant_formats_are_one_change_each_and_leave_4bit_alone(variants):

@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from benchmark_scripts import BENCHMARKS, load_benchmark
+from benchmark_scripts import run_benchmark_modules
 
 from torchao_optim import AdamW
 from torchao_optim.optim.explain import route
 from torchao_optim.optim.fused import fused_available
-from torchao_optim.state import registry
 
-bench = load_benchmark("benchmark_convergence")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BETAS = (0.9, 0.95)
 
 
 @pytest.fixture
 def nm(monkeypatch):
-    monkeypatch.setattr(registry, "_FORMATS", dict(registry._FORMATS))
-    monkeypatch.setattr(bench.optimizers, "_REGISTERED", dict(bench.optimizers._REGISTERED))
-    return bench.runpy.run_path(str(BENCHMARKS / "normalized_momentum.py"))
+    return run_benchmark_modules(monkeypatch, "fourbit_variants", "normalized_momentum")
 
 
 def _params(decades=6.0, rows=64):
