@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -70,7 +71,7 @@ def compile_adam(
     from torchao_optim.optim.fused import MIN_TILE, PREFETCH, register_cap
     from torchao_optim.rules import BUILT_IN_RULES
     from torchao_optim.state import get_state_format
-    from torchao_optim.state.layout import StateLayout
+    from torchao_optim.state.layout import SCALE_KINDS, StateLayout
 
     rules = {r.name: r for r in BUILT_IN_RULES if r.triton_update is not None and len(r.state_keys) in (2, 3)}
     if rule_name not in rules:
@@ -132,18 +133,18 @@ def compile_adam(
     constants.update(M_FLAT=flat_shift(layouts[0], "triton"), V_FLAT=flat_shift(layouts[1], "triton"))
     if n_states == 3:
         constants.update(W_FLAT=flat_shift(layouts[2], "triton"))
-    # the register cap the planner gives such a plan (optim.fused.REGISTER_CAPS; none with three states), unless one
+    # the register cap the planner gives such a plan (optim.fused.register_cap; none with three states), unless one
     # is given
     layout = StateLayout("codes", "scales", block, (-1.0, 1.0), bits)
+    second = dataclasses.replace(layout, scale=SCALE_KINDS[rank1])
     param_bytes = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype].itemsize
     if maxnreg == "auto":
-        cap = register_cap((layout, layout), param_bytes) if n_states == 2 else None
+        cap = register_cap((layout, second), param_bytes, fold) if n_states == 2 else None
     else:
         cap = int(maxnreg)
     if rank1:
         signature["rank1"] = "*i64"
         del constants["rank1"]
-        cap = None if maxnreg == "auto" else cap  # as the planner gives a plan with rank-1 scales
     compiled = compile_kernel(adam_kernel, signature, constants, arch, num_warps, cap)
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 

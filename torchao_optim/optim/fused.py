@@ -267,8 +267,6 @@ class GroupPlan:
             and not triton_interpreter()
             and torch.cuda.get_device_capability(device)[0] >= 9
         )
-        # the caps were measured on the two-state kernel; the one-state kernel takes the compiler's choice
-        self.maxnreg = register_cap(self.layouts, param_dtype.itemsize) if len(self.layouts) == 2 else None
         # A rule whose output is a direction (FusedRule.output) writes it into a buffer of the plan's, one fp32 tensor
         # per parameter at a 16-byte boundary (the kernels' vector loads), read by the optimizer after the launch.
         self.directions = self._direction_buffers(shards, device) if self.rule.output == "direction" else None
@@ -320,8 +318,10 @@ class GroupPlan:
         self.fold_sums = False  # factored sums taken in the step kernel (_plan_rank1)
         if self.executor == "triton" and any(r is not None for r in self.rows):
             self._plan_rank1(shards, states, device)
-            if self.fold_sums and MAXNREG is None and len(self.layouts) == 2:
-                self.maxnreg = FOLD_CAPS.get(param_dtype.itemsize)
+        # the caps were measured on the two-state kernel; the one- and three-state ones take the compiler's choice
+        self.maxnreg = (
+            register_cap(self.layouts, param_dtype.itemsize, self.fold_sums) if len(self.layouts) == 2 else None
+        )
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":
             from torchao_optim.kernels.triton_adam import TRITON_DTYPES
@@ -410,9 +410,6 @@ class GroupPlan:
         self.stats_from = [self.means[x[0] : x[0] + x[1]] if isinstance(x, tuple) else x for x in self.stats_from]
         self.ptrs = ptrs.to(device)
         self.rank1 = torch.tensor(table, dtype=torch.int64).to(device)
-        # REGISTER_CAPS were measured on blockwise scales: FOLD_CAPS' where the step takes the factored sums, else
-        # none; MAXNREG, where set, for every plan
-        self.maxnreg = MAXNREG or None
         # factored sums in the step (FOLD_ROWS above): its programs are strips, not runs of consecutive tiles, and
         # there is no first pass; else the first pass's programs
         self.fold_sums = FOLD_ROWS > 0 and n_rank1 == 0 and n_states in (2, 3) and all(c % self.tile == 0 for c in cols)
@@ -585,11 +582,15 @@ def _share_coefficients(plans: list[GroupPlan]) -> None:
         same[0].coefs_for = (steps, coefs)
 
 
-def register_cap(layouts, param_bytes: int) -> int | None:
-    """The register cap of a two-state plan (Adam's) whose states have ``layouts``: :data:`MAXNREG` where set, else
-    :data:`REGISTER_CAPS`' entry for the narrowest codes (none when no state is quantized)."""
+def register_cap(layouts, param_bytes: int, fold_sums: bool = False) -> int | None:
+    """The register cap of a two-state plan (Adam's) whose states have ``layouts``: :data:`MAXNREG` where set; else,
+    with scales over a whole matrix, :data:`FOLD_CAPS`' entry where the step takes the factored sums (``fold_sums``)
+    and none otherwise (:data:`REGISTER_CAPS` were measured on blockwise scales); else :data:`REGISTER_CAPS`' entry
+    for the narrowest codes (none when no state is quantized)."""
     if MAXNREG is not None:
         return MAXNREG or None
+    if any(layout.scale != "block" for layout in layouts):
+        return FOLD_CAPS.get(param_bytes) if fold_sums else None
     bits = [layout.bits for layout in layouts if layout.quantized]
     return REGISTER_CAPS.get((min(bits), param_bytes)) if bits else None
 
