@@ -27,18 +27,15 @@ older ``torch_fused``, ``ours_<format>``, ``ours_<format>_compiled``, ``bnb_8bit
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-
-if "--warm-cache" not in sys.argv:  # cold caches, so that the first step includes every compile
-    _cache = tempfile.mkdtemp(prefix="bench_step_cache_")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, "inductor")
-    os.environ["TRITON_CACHE_DIR"] = os.path.join(_cache, "triton")
 
 import torch
 
@@ -256,6 +253,32 @@ def main(argv=None):
         "triton.autotune_pointwise=False; repeatable (the library's COMPILE_OPTIONS win over it)",
     )
     args = ap.parse_args(argv)
+    with contextlib.nullcontext() if args.warm_cache else cold_caches():
+        return run(args, argv)
+
+
+@contextlib.contextmanager
+def cold_caches():
+    """Inductor and Triton compile into fresh, empty caches inside the block, so that a first step includes every
+    compile (both read their cache folder from the environment when they compile); after it the caches are removed
+    and the environment is as it was."""
+    saved = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    root = tempfile.mkdtemp(prefix="bench_step_cache_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "inductor")
+    os.environ["TRITON_CACHE_DIR"] = os.path.join(root, "triton")
+    try:
+        yield root
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args, argv=None):
+    """The benchmark for ``main``'s parsed ``args`` (``argv``: the command line it came from, for the record)."""
     set_inductor_options(args.option)
     if args.no_step_graphs:
         from torchao_optim.optim import replay

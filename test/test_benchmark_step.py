@@ -9,10 +9,7 @@ import pytest
 import torch
 from benchmark_scripts import load_benchmark
 
-_environ = dict(os.environ)
-bench = load_benchmark("benchmark_step")  # it points inductor and Triton at fresh caches when imported, so
-os.environ.clear()  # that its first steps compile cold; the other tests keep theirs
-os.environ.update(_environ)
+bench = load_benchmark("benchmark_step")
 optimizers = bench.optimizers
 
 
@@ -78,3 +75,14 @@ def test_inductor_options_from_the_command_line():
     for bad in ("triton.no_such_option=1", "triton.autotune_pointwise", "no_such_group.option=1"):
         with pytest.raises(SystemExit, match="expected name=value"):
             bench.set_inductor_options([bad])
+
+
+def test_cold_caches_are_fresh_then_removed_and_the_environment_restored():
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    before = {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
+    with bench.cold_caches() as root:
+        assert cache_dir().startswith(root) and os.environ["TRITON_CACHE_DIR"].startswith(root)
+        assert os.listdir(root) == ["inductor"]  # inductor's, just made: nothing compiled there yet
+    assert not os.path.exists(root)
+    assert {k: os.environ.get(k) for k in before} == before
