@@ -136,3 +136,23 @@ def test_moving_gradients_do_not_rebuild_plans(monkeypatch):
     assert len(built) == 4  # two plans (8-bit and fp32 state) per optimizer, built once
     for pa, pb in zip(a, b):
         assert torch.equal(pa, pb)
+
+
+@pytest.mark.skipif(not fused_available(), reason="needs Triton")
+def test_a_register_cap_that_spills_is_dropped():
+    # REGISTER_CAPS were measured on Adam's update: AdamW8bit with bf16 parameters keeps its cap, without spills;
+    # RMSprop's momentum update (its state depends on a correctly rounded division) spills under it, and its plan
+    # compiles without one from the next launch on
+    import torchao_optim.optim.fused as fused
+
+    cap = fused.REGISTER_CAPS[(8, 2)]
+    for make, kept in [
+        (lambda ps: torchao_optim.AdamW8bit(ps, lr=1e-3), True),
+        (lambda ps: torchao_optim.RMSprop8bit(ps, lr=1e-3, momentum=0.9), False),
+    ]:
+        params = make_params(torch.bfloat16)
+        opt = make(params)
+        run(params, opt, 2)
+        plans = [p for p in opt._plans[id(opt.param_groups[0])]["plans"] if p.layouts[0].quantized]
+        assert plans and all(p.maxnreg == (cap if kept else None) for p in plans), [p.maxnreg for p in plans]
+        assert all(p.compiled.n_spills == 0 for p in plans)

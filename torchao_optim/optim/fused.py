@@ -53,7 +53,8 @@ MAXNREG = None  # where set, the register cap of every two-state kernel instead 
 # benchmarks/tune_fused.py, TinyLlama geometry (the figures are in benchmarks/README.md): 8-bit
 # bf16 4.5% faster than uncapped, 4-bit bf16 6.5%, and 4-bit fp32 6.8% faster than under its earlier cap of 104.
 # 8-bit fp32 gained 2-3.5% in one measurement, near the spread between runs, and its best cap spills with Triton
-# 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler.
+# 3.9 (benchmarks/count_instructions.py reports it), so it is left to the compiler. A plan whose kernel spills
+# under its cap (another rule's update, larger than Adam's) drops it after its first launch (optim.launch).
 REGISTER_CAPS = {(8, 2): 80, (4, 2): 80, (4, 4): 80}
 # Register caps of a two-state plan that takes its factored sums in the step (FOLD_ROWS), by parameter bytes:
 # ptxas's choice (148-168 registers) leaves 8-12 one-warp programs an SM, too few to hide the strip's loads. Measured

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+from torchao_optim.rules.base import FusedRule, finite_grad, param_div, param_sqrt, sqrt_rn, store_param, triton_jit
 
 if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
     import triton.language as tl
@@ -60,7 +60,9 @@ def adagrad_update(
 
 def adagrad_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.adagrad.adagrad_update` on a tile (``s``: ``sum``; no option): returns ``(p, s)``.
-    The square root and the division round correctly (``sqrt_rn``, ``/``), as the compiled path's do."""
+    In Triton's interpreter the square root and the division round correctly, as the compiled path's do; a GPU build
+    takes fast ones (:func:`~torchao_optim.rules.base.param_sqrt`, ``param_div``): only the parameter depends on
+    them."""
     clr, wd, eps, _ = coefs
     finite = tl.abs(g) < float("inf")  # a non-finite gradient element is skipped (NaN is not < inf)
     g = tl.where(finite, g, 0.0)
@@ -68,7 +70,7 @@ def adagrad_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr)
     s_new = s + g * g
     ok = finite & (tl.abs(s_new) < float("inf"))
     s = tl.where(ok, s_new, s)
-    p = tl.where(ok, p - clr * g / (tl.sqrt_rn(s) + eps), p)
+    p = tl.where(ok, p - param_div(clr * g, param_sqrt(s, PTX) + eps, PTX), p)
     return p, s
 
 
@@ -99,7 +101,7 @@ ADAGRAD = FusedRule(
     (False,),
     ADAGRAD_COEFS,
     adagrad_coefficients,
-    triton_update=triton_jit(adagrad_tile_update),
+    triton_update=triton_jit(adagrad_tile_update, calls=(param_sqrt, param_div)),
     c_source=_C_UPDATE,
     c_name="adagrad",
 )

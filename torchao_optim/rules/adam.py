@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+from torchao_optim.rules.base import FusedRule, finite_grad, param_div, param_sqrt, sqrt_rn, store_param, triton_jit
 
 if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
     import triton.language as tl
@@ -124,27 +124,19 @@ def adam_tile_update(p, g, m, v, coefs, DECOUPLED: tl.constexpr, PTX: tl.constex
     ok = (tl.abs(m_new) < float("inf")) & (tl.abs(v_new) < float("inf"))
     m = tl.where(ok, m_new, m)
     v = tl.where(ok, v_new, v)
-    # fast sqrt and division: the parameter may differ from the compiled path by an ulp or two of its update;
-    # the states, which decide the codes, do not depend on them. denom is 0 or a normal number below 2**126
-    # (sqrt of the smallest fp32 is 3.7e-23, of the largest 1.8e19; eps is 0 or normal, as Adam checks), where
-    # the reciprocal that flushes subnormals flushes nothing: it is within one ulp, m * (1 / denom) within two,
-    # with none of the rescaling div.approx or tl.fdiv's div.full add. Triton's interpreter runs no PTX.
-    denom = tl.sqrt(v) * inv_bc2 + eps
-    if PTX:
-        ratio = m * tl.inline_asm_elementwise(
-            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [denom], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        ratio = tl.fdiv(m, denom)
-    p = tl.where(ok, p_decayed - step_size * ratio, p)
+    # fast sqrt and division on a GPU build: the parameter may differ from the compiled path by an ulp or two of its
+    # update; the states, which decide the codes, do not depend on them (eps is 0 or normal, as Adam checks)
+    denom = param_sqrt(v, PTX) * inv_bc2 + eps
+    p = tl.where(ok, p_decayed - step_size * param_div(m, denom, PTX), p)
     return p, m, v
 
 
 def adam_amsgrad_tile_update(p, g, m, v, vmax, coefs, DECOUPLED: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.adam.adam_update` with amsgrad on a tile (``vmax``: ``max_exp_avg_sq``): returns
-    ``(p, m, v, vmax)``. The same fp32 operations in the same order as the plain update and the C update, the square
-    root and the division correctly rounded (not :func:`adam_tile_update`'s fast ones), so that the parameter too is
-    theirs, bit for bit (in Triton's interpreter; a GPU build may contract multiply-adds)."""
+    ``(p, m, v, vmax)``. The same fp32 operations in the same order as the plain update and the C update, so that in
+    Triton's interpreter, where the square root and the division round correctly, the parameter too is theirs, bit
+    for bit; a GPU build takes :func:`adam_tile_update`'s fast ones (:func:`~torchao_optim.rules.base.param_sqrt`,
+    ``param_div``): only the parameter depends on them."""
     step_size, inv_bc2, wd, one_minus_beta1, beta2, one_minus_beta2, eps = coefs
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)
@@ -160,8 +152,8 @@ def adam_amsgrad_tile_update(p, g, m, v, vmax, coefs, DECOUPLED: tl.constexpr, P
     v = tl.where(ok, v_new, v)
     # the maximum of the old maximum and v, a skipped element's too (both finite), as the C update takes it
     vmax = tl.where(vmax < v, v, vmax)
-    denom = tl.sqrt_rn(vmax) * inv_bc2 + eps
-    p = tl.where(ok, p_decayed - step_size * (m / denom), p)
+    denom = param_sqrt(vmax, PTX) * inv_bc2 + eps
+    p = tl.where(ok, p_decayed - step_size * param_div(m, denom, PTX), p)
     return p, m, v, vmax
 
 
@@ -265,7 +257,7 @@ ADAM = FusedRule(
     COEFS,
     adam_coefficients,
     option="decoupled",
-    triton_update=triton_jit(adam_tile_update),
+    triton_update=triton_jit(adam_tile_update, calls=(param_sqrt, param_div)),
     triton_coefficients=triton_jit(
         adam_coefs_kernel, calls=(_pow,), imports=("triton.language.extra.cuda.gdc_launch_dependents",)
     ),
@@ -279,7 +271,7 @@ ADAM_AMSGRAD = FusedRule(
     COEFS,
     adam_coefficients,
     option="decoupled",
-    triton_update=triton_jit(adam_amsgrad_tile_update),
+    triton_update=triton_jit(adam_amsgrad_tile_update, calls=(param_sqrt, param_div)),
     c_source=_C_UPDATE,
     c_name="adam_amsgrad",
 )

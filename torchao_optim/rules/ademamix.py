@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, store_param, triton_jit
+from torchao_optim.rules.base import FusedRule, finite_grad, param_div, param_sqrt, store_param, triton_jit
 
 if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
     import triton.language as tl
@@ -106,8 +106,9 @@ def ademamix_update(
 def ademamix_tile_update(p, g, m1, m2, nu, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.ademamix.ademamix_update` on a tile (``m1``, ``m2``, ``nu``: ``exp_avg``,
     ``exp_avg_slow``, ``exp_avg_sq``; no option): returns ``(p, m1, m2, nu)``. The same fp32 operations in the same
-    order as the plain update and the C update, the square root and the division correctly rounded, so that the
-    parameter too is theirs, bit for bit (in Triton's interpreter; a GPU build may contract multiply-adds)."""
+    order as the plain update and the C update, so that in Triton's interpreter, where the square root and the
+    division round correctly, the parameter too is theirs, bit for bit; a GPU build takes fast ones
+    (:func:`~torchao_optim.rules.base.param_sqrt`, ``param_div``): only the parameter depends on them."""
     lr, inv_bc1, inv_bc2, alpha, one_minus_beta1, beta2, one_minus_beta2, one_minus_beta3, eps, decay = coefs
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)
@@ -118,8 +119,8 @@ def ademamix_tile_update(p, g, m1, m2, nu, coefs, OPTION: tl.constexpr, PTX: tl.
     m1 = tl.where(ok, m1_new, m1)
     m2 = tl.where(ok, m2_new, m2)
     nu = tl.where(ok, nu_new, nu)
-    denom = tl.sqrt_rn(nu) * inv_bc2 + eps
-    p = tl.where(ok, p * decay - lr * ((m1 * inv_bc1 + alpha * m2) / denom), p)
+    denom = param_sqrt(nu, PTX) * inv_bc2 + eps
+    p = tl.where(ok, p * decay - lr * param_div(m1 * inv_bc1 + alpha * m2, denom, PTX), p)
     return p, m1, m2, nu
 
 
@@ -156,7 +157,7 @@ ADEMAMIX = FusedRule(
     (True, True, False),
     ADEMAMIX_COEFS,
     ademamix_coefficients,
-    triton_update=triton_jit(ademamix_tile_update),
+    triton_update=triton_jit(ademamix_tile_update, calls=(param_sqrt, param_div)),
     c_source=_C_UPDATE,
     c_name="ademamix",
 )

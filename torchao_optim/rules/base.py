@@ -22,13 +22,26 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchao_optim.quant.rounding import stochastic_round_bf16
 
-__all__ = ["FusedRule", "OUTPUTS", "finite_grad", "split_direction", "sqrt_rn", "store_param", "triton_jit"]
+if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
+    import triton.language as tl
+
+__all__ = [
+    "FusedRule",
+    "OUTPUTS",
+    "finite_grad",
+    "param_div",
+    "param_sqrt",
+    "split_direction",
+    "sqrt_rn",
+    "store_param",
+    "triton_jit",
+]
 
 OUTPUTS = ("param", "direction")  # what a rule's element update writes (FusedRule.output)
 
@@ -142,6 +155,33 @@ def _jit(fn: Callable, calls: tuple[Callable, ...], imports: tuple[str, ...]) ->
     for callee in calls:
         scope[callee.__name__] = _jit(callee, (), ())
     return triton.jit(fn)
+
+
+def param_sqrt(x, PTX: tl.constexpr):
+    """A tile's square root where only the parameter's update depends on it, never a state (written in Triton's
+    language, for a rule's tile update: ``triton_jit(..., calls=(param_sqrt, param_div))``): on a GPU build
+    (``PTX``) the fast one, within an ulp; in Triton's interpreter correctly rounded, as the C step and the compiled
+    path take it, so that there the kernel stores their parameter bit for bit. A state that depends on a square
+    root (RMSprop's momentum buffer) takes ``tl.sqrt_rn`` itself: its codes must not depend on the executor."""
+    if PTX:
+        return tl.sqrt(x)
+    else:
+        return tl.sqrt_rn(x)
+
+
+def param_div(x, d, PTX: tl.constexpr):
+    """``x / d`` where only the parameter's update depends on it (see :func:`param_sqrt`): on a GPU build ``x`` times
+    the reciprocal that flushes subnormals (``rcp.approx.ftz``, within an ulp; the product within two), with none of
+    the range checks and slow path a correctly rounded division compiles to (one call and two branches an element);
+    correctly rounded in Triton's interpreter. ``d`` is an optimizer's denominator, ``sqrt(...) + eps``: 0 (then
+    ``x / 0`` either way) or normal and below 2**126 (the square root of the largest fp32 is 1.8e19), where that
+    reciprocal flushes nothing."""
+    if PTX:
+        return x * tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [d], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return x / d
 
 
 def finite_grad(grad: torch.Tensor, dtype: torch.dtype, maximize: bool):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchao_optim.rules.base import FusedRule, finite_grad, sqrt_rn, store_param, triton_jit
+from torchao_optim.rules.base import FusedRule, finite_grad, param_div, param_sqrt, sqrt_rn, store_param, triton_jit
 
 if TYPE_CHECKING:  # bound by triton_jit when a kernel first asks (Triton is not imported before)
     import triton.language as tl
@@ -115,7 +115,7 @@ def rmsprop_tile_update(p, g, s, coefs, OPTION: tl.constexpr, PTX: tl.constexpr)
     g = g + wd * p
     s_new = s + one_minus_alpha * (g * g - s)
     ok = finite & (tl.abs(s_new) < float("inf"))
-    p = tl.where(ok, p - lr * g / (tl.sqrt_rn(s_new) + eps), p)
+    p = tl.where(ok, p - param_div(lr * g, param_sqrt(s_new, PTX) + eps, PTX), p)
     s = tl.where(ok, s_new, s)
     return p, s
 
@@ -136,27 +136,29 @@ def rmsprop_momentum_tile_update(p, g, v, b, coefs, OPTION: tl.constexpr, PTX: t
     return p, v, b
 
 
-def _centered_start(p, g, v, a, wd, one_minus_alpha, eps):
+def _centered_start(p, g, v, a, wd, one_minus_alpha, eps, FAST: tl.constexpr):
     """The centered tile updates' common start: the gradient (a non-finite element as 0, plus the L2 term), whether it
-    was finite, the new ``square_avg`` and ``grad_avg``, and the denominator ``sqrt(max(v - a * a, 0)) + eps``."""
+    was finite, the new ``square_avg`` and ``grad_avg``, and the denominator ``sqrt(max(v - a * a, 0)) + eps`` (its
+    square root fast with ``FAST``, where only the parameter depends on it; else correctly rounded)."""
     finite = tl.abs(g) < float("inf")
     g = tl.where(finite, g, 0.0)
     g = g + wd * p
     v_new = v + one_minus_alpha * (g * g - v)
     a_new = a + one_minus_alpha * (g - a)
     var = v_new - a_new * a_new
-    denom = tl.sqrt_rn(tl.where(var < 0.0, 0.0, var)) + eps  # clamp_min(0): NaN stays NaN
+    denom = param_sqrt(tl.where(var < 0.0, 0.0, var), FAST) + eps  # clamp_min(0): NaN stays NaN
     return g, finite, v_new, a_new, denom
 
 
 def rmsprop_centered_tile_update(p, g, v, a, coefs, OPTION: tl.constexpr, PTX: tl.constexpr):
     """:func:`~torchao_optim.rules.rmsprop.rmsprop_update` centered, without momentum, on a tile (``v``: ``square_avg``,
     ``a``: ``grad_avg``; the two-state kernel's seven coefficients, the last three unused; no option): returns
-    ``(p, v, a)``, from the same fp32 operations in the same order as the plain update and the C update."""
+    ``(p, v, a)``, from the same fp32 operations in the same order as the plain update and the C update (a GPU build's
+    square root and division fast: only the parameter depends on them)."""
     lr, wd, one_minus_alpha, eps, _, _, _ = coefs
-    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps)
+    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps, PTX)
     ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf"))
-    p = tl.where(ok, p - lr * g / denom, p)
+    p = tl.where(ok, p - param_div(lr * g, denom, PTX), p)
     v = tl.where(ok, v_new, v)
     a = tl.where(ok, a_new, a)
     return p, v, a
@@ -167,7 +169,7 @@ def rmsprop_centered_momentum_tile_update(p, g, v, b, a, coefs, OPTION: tl.const
     ``b``: ``momentum_buffer``, ``a``: ``grad_avg``; no option): returns ``(p, v, b, a)``, from the same fp32
     operations in the same order as the plain update and the C update (the square root correctly rounded)."""
     lr, wd, one_minus_alpha, eps, momentum = coefs
-    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps)
+    g, finite, v_new, a_new, denom = _centered_start(p, g, v, a, wd, one_minus_alpha, eps, False)
     b_new = b * momentum + g / denom
     ok = finite & (tl.abs(v_new) < float("inf")) & (tl.abs(a_new) < float("inf")) & (tl.abs(b_new) < float("inf"))
     v = tl.where(ok, v_new, v)
@@ -249,7 +251,7 @@ RMSPROP = FusedRule(
     (False,),
     RMSPROP_COEFS[:4],
     _no_momentum_coefficients,
-    triton_update=triton_jit(rmsprop_tile_update),
+    triton_update=triton_jit(rmsprop_tile_update, calls=(param_sqrt, param_div)),
     c_source=_C_UPDATE,
     c_name="rmsprop",
 )
@@ -269,7 +271,7 @@ RMSPROP_CENTERED = FusedRule(
     (False, True),
     RMSPROP_MOMENTUM_COEFS,
     _two_state_coefficients,
-    triton_update=triton_jit(rmsprop_centered_tile_update, calls=(_centered_start,)),
+    triton_update=triton_jit(rmsprop_centered_tile_update, calls=(_centered_start, param_sqrt, param_div)),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered",
 )
@@ -279,7 +281,7 @@ RMSPROP_CENTERED_MOMENTUM = FusedRule(
     (False, True, True),
     RMSPROP_COEFS,
     rmsprop_coefficients,
-    triton_update=triton_jit(rmsprop_centered_momentum_tile_update, calls=(_centered_start,)),
+    triton_update=triton_jit(rmsprop_centered_momentum_tile_update, calls=(_centered_start, param_sqrt)),
     c_source=_C_UPDATE,
     c_name="rmsprop_centered_momentum",
 )
