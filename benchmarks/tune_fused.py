@@ -21,6 +21,7 @@ from optimizers import state_nbytes  # noqa: E402
 
 import torchao_optim  # noqa: E402
 import torchao_optim.kernels.tables as tables  # noqa: E402
+import torchao_optim.kernels.triton_rank1 as triton_rank1  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
 
 
@@ -55,6 +56,12 @@ def main():
         help="factored states: rows per program of the step that takes their sums (optim.fused.FOLD_ROWS; 0: a first "
         "pass takes them)",
     )
+    ap.add_argument(
+        "--stats-strip",
+        default="1",
+        help="scales over a matrix: tiles a program of the first pass walks down a column of tiles "
+        "(kernels.triton_rank1.STATS_TILES' strip, every kind)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -72,8 +79,11 @@ def main():
         for d in map(int, args.pdl.split(","))
         for b in map(int, args.flat_bits.split(","))
         for fr in map(int, args.fold_rows.split(","))
+        for st in map(int, args.stats_strip.split(","))
     ]
-    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows in configs:
+    tiles = dict(triton_rank1.STATS_TILES)
+    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip in configs:
+        triton_rank1.STATS_TILES = {kind: tile._replace(strip=strip) for kind, tile in tiles.items()}
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
         fused.FOLD_ROWS = fold_rows
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
@@ -84,18 +94,20 @@ def main():
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
             print(
-                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | step ms | x floor | host ms "
-                "| regs | spills |"
+                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | pass strip | step ms | x floor "
+                "| host ms | regs | spills |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
+        first_pass = big.rank1 is not None and not big.fold_sums
         print(
             f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
-            f"| {fold_rows if big.fold_sums else '-'} | {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
+            f"| {fold_rows if big.fold_sums else '-'} | {strip if first_pass else '-'} "
+            f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )
         del opt

@@ -67,14 +67,21 @@ CASES = [
         ("edges", ()),
         ("aligned", () if name == "adamw" else pytest.mark.slow),
         ("strips", () if n > 1 and fmt != "4bit_rank1" else pytest.mark.slow),
+        # the first pass's programs strips of three tiles down a column (the last one short, or past the rows)
+        ("pass-strips", () if name == "adamw" and fmt == "4bit_rank1" else pytest.mark.slow),
     )
 ]
-SHAPE_SETS = {"edges": SHAPES, "aligned": ALIGNED_SHAPES, "strips": STRIP_SHAPES}
+SHAPE_SETS = {"edges": SHAPES, "aligned": ALIGNED_SHAPES, "strips": STRIP_SHAPES, "pass-strips": SHAPES}
 
 
 @pytest.mark.parametrize("name,shapes_id,fmt", CASES)
 def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt, monkeypatch):
     monkeypatch.setattr(fused, "FOLD_ROWS", 32)  # strips of 32 rows, whatever the default
+    if shapes_id == "pass-strips":
+        from torchao_optim.kernels import triton_rank1
+
+        tiles = {kind: tile._replace(strip=3) for kind, tile in triton_rank1.STATS_TILES.items()}
+        monkeypatch.setattr(triton_rank1, "STATS_TILES", tiles)
     shapes = SHAPE_SETS[shapes_id]
     make, n_states = RULES[name]
     a, oa = _train(make, True, fmt, shapes)
@@ -84,6 +91,7 @@ def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt, monke
     assert {len(plan.layouts) for plan in plans["plans"]} == {n_states}
     matrix_plans = [plan for plan in plans["plans"] if plan.rank1 is not None]
     assert matrix_plans
+    assert all(plan.stats_tile_shape.strip == (3 if shapes_id == "pass-strips" else 1) for plan in matrix_plans)
     if shapes_id != "strips":
         assert all(plan.tiles_aligned == (shapes is ALIGNED_SHAPES) for plan in matrix_plans)
     # factored states in a kernel of two or three states over rows of whole tiles: sums in the step, else a first pass

@@ -37,6 +37,7 @@ class StatsTile(NamedTuple):
     rows: int
     cols: int
     warps: int
+    strip: int = 1  # tiles a program walks down a column of tiles, its column statistics kept in registers
 
 
 STATS_TILES = {"rank1": StatsTile(2, 128, 1), "factored": StatsTile(8, 128, 4)}
@@ -61,6 +62,7 @@ def _state_at(
     c_ok,
     rows,
     mask,
+    col_max,
     QUANT: tl.constexpr,
     BITS: tl.constexpr,
     QBLOCK: tl.constexpr,
@@ -71,7 +73,8 @@ def _state_at(
     pointer table) at a tile's flat elements ``e`` (rows ``r``, columns ``c``: the tile's, as
     vectors; ``start``: each row's first element): a code's value (8-bit: the table's entry; 4-bit: the nibble's, the
     low word of the pair table's entry for the byte of that nibble alone, so that the 16 values read lie in one
-    128-byte line) times its block's scale or its rank-1 scale (the tile's row and column maxima loaded once each); a
+    128-byte line) times its block's scale or its rank-1 scale (the tile's row maxima, and ``col_max``: its columns'
+    maxima, loaded once a strip by :func:`_col_maxima`); a
     plain state's values as they are. ``ALIGNED``: a tile's row lies in one block and starts at a 16-byte boundary of
     every array, so a row's 4-bit codes are one load (half as many bytes as the tile has columns: the tile's shape is
     ``e``'s), split into nibbles in registers, and its block scale one load."""
@@ -99,7 +102,7 @@ def _state_at(
         maxima = scales.to(tl.pointer_type(tl.float32))
         if SCALE == RANK1:
             row_max = tl.load(maxima + r, mask=r_ok, other=1.0)
-            scale = tl.minimum(row_max[:, None], tl.load(maxima + rows + c, mask=c_ok, other=1.0)[None, :])
+            scale = tl.minimum(row_max[:, None], col_max[None, :])
         elif ALIGNED:
             scale = tl.load(maxima + start // QBLOCK, mask=r_ok, other=1.0)[:, None]
         else:
@@ -110,24 +113,53 @@ def _state_at(
 
 
 @triton.jit
-def _fold(x, mask, new, r, c, r_ok, c_ok, rows, SCALE: tl.constexpr):
-    """Fold a tile's new values of a state into its statistics at ``new`` (the rows', then the columns'): rank-1, the
-    maxima of ``where(isfinite(x), |x|, 0)`` as int32 patterns (non-negative floats order as their bits), one atomic
-    maximum per row and per column; factored, ``where(isfinite(x) & (x > 0), x, 0)`` added in fp64, one atomic
-    addition per row and per column. The order of the additions varies; an fp64 sum of fp32 values rounds to the same
-    fp32 mean whatever the order, but where the exact mean lies within the sum's rounding of an fp32 rounding boundary
-    (state/factored.py)."""
+def _col_maxima(row, K: tl.constexpr, c, c_ok, rows, QUANT: tl.constexpr, SCALE: tl.constexpr):
+    """State ``K``'s old column maxima at columns ``c`` where its scales are rank-1 (else ones, unused)."""
+    if QUANT and SCALE == RANK1:
+        maxima = tl.load(row + 2 + 2 * K).to(tl.pointer_type(tl.float32))
+        col_max = tl.load(maxima + rows + c, mask=c_ok, other=1.0)
+    else:
+        col_max = tl.full(c.shape, 1.0, tl.float32)
+    return col_max
+
+
+@triton.jit
+def _fold(x, mask, acc, new, r, r_ok, SCALE: tl.constexpr):
+    """Fold a tile's new values of a state into its statistics: its rows' at ``new`` (one atomic per row) and its
+    columns' into ``acc``, the strip's (returned; :func:`_fold_columns` stores them). Rank-1: the maxima of
+    ``where(isfinite(x), |x|, 0)`` as int32 patterns (non-negative floats order as their bits); factored,
+    ``where(isfinite(x) & (x > 0), x, 0)`` added in fp64. The order of the additions varies; an fp64 sum of fp32
+    values rounds to the same fp32 mean whatever the order, but where the exact mean lies within the sum's rounding of
+    an fp32 rounding boundary (state/factored.py)."""
     if SCALE == FACTORED:
         v = factored_part(x, mask)
-        out = new.to(tl.pointer_type(tl.float64))
-        tl.atomic_add(out + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
-        tl.atomic_add(out + rows + c, tl.sum(v, axis=0), mask=c_ok, sem="relaxed")
+        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
+        acc = acc + tl.sum(v, axis=0)
     else:
         bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
         bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
-        out = new.to(tl.pointer_type(tl.int32))
-        tl.atomic_max(out + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
-        tl.atomic_max(out + rows + c, tl.max(bits, axis=0), mask=c_ok, sem="relaxed")
+        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
+        acc = tl.maximum(acc, tl.max(bits, axis=0))
+    return acc
+
+
+@triton.jit
+def _fold_columns(acc, new, rows, c, c_ok, SCALE: tl.constexpr):
+    """A strip's column statistics into a state's at ``new`` (after its rows'): one atomic per column."""
+    if SCALE == FACTORED:
+        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + rows + c, acc, mask=c_ok, sem="relaxed")
+    elif SCALE:
+        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + rows + c, acc, mask=c_ok, sem="relaxed")
+
+
+@triton.jit
+def _columns_zero(c, SCALE: tl.constexpr):
+    """A strip's column statistics before its first tile: fp64 sums (factored) or int32 maxima (rank-1)."""
+    if SCALE == FACTORED:
+        acc = tl.zeros(c.shape, tl.float64)
+    else:
+        acc = tl.zeros(c.shape, tl.int32)
+    return acc
 
 
 @triton.jit
@@ -139,7 +171,7 @@ def rank1_stats_kernel(
     rank1,  # int64 (n_tensors, 1 + N_STATES): the matrix's rows, then each state's new maxima or sums (zeroed; 0:
     # blockwise)
     prog_tensor,  # int32 (n_programs,): which tensor each program reads
-    prog_tile,  # int32 (n_programs,): which of its tiles (row-major over tiles of ROWS x COLS)
+    prog_tile,  # int32 (n_programs,): the first tile of its strip (row-major over tiles of ROWS x COLS)
     s0_values,
     s1_values,
     s2_values,  # each state's decode table (kernels.tables.layout_tables; None past N_STATES)
@@ -153,6 +185,7 @@ def rank1_stats_kernel(
     ALIGNED: tl.constexpr,  # every address in the tables a multiple of 16 bytes, every row length of COLS, QBLOCK's
     ROWS: tl.constexpr,  # the tile (stats_tile)
     COLS: tl.constexpr,
+    STRIP: tl.constexpr,  # tiles a program walks down its column of tiles
     N_STATES: tl.constexpr,
     N_COEFS: tl.constexpr,
     S0_QUANT: tl.constexpr,
@@ -167,50 +200,110 @@ def rank1_stats_kernel(
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
-    tile = tl.load(prog_tile + pid)
+    first = tl.load(prog_tile + pid)  # the first of its strip's tiles
     row = ptrs + t * (1 + 2 * N_STATES)
     info = rank1 + t * (1 + N_STATES)
     rows = tl.load(info)
     cols = tl.load(numels + t) // rows
     per_row = tl.cdiv(cols, COLS)
-    r = (tile // per_row).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    c = (tile % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
-    r_ok, c_ok = r < rows, c < cols
-    mask = r_ok[:, None] & c_ok[None, :]
+    c = (first % per_row).to(tl.int64) * COLS + tl.arange(0, COLS)
+    c_ok = c < cols
     p_base = tl.load(row).to(tl.pointer_type(PARAM_DTYPE))
     g_base = tl.load(grad_ptrs + t).to(tl.pointer_type(GRAD_DTYPE))
     if ALIGNED:  # a tile's row is then contiguous from a 16-byte boundary: its loads become vectors
         cols = tl.multiple_of(cols, COLS)
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
-    start = r * cols + (tile % per_row).to(tl.int64) * COLS
-    e = start[:, None] + tl.arange(0, COLS)[None, :]
-    p = tl.load(p_base + e, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_base + e, mask=mask, other=0.0).to(tl.float32)
-    if MAXIMIZE:
-        g = -g
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
-    s0 = _state_at(
-        row, 0, s0_values, e, start, r, c, r_ok, c_ok, rows, mask, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE, ALIGNED
-    )
-    if N_STATES == 1:
-        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
-    else:
-        s1 = _state_at(
-            row, 1, s1_values, e, start, r, c, r_ok, c_ok, rows, mask, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE, ALIGNED
+    col0 = _col_maxima(row, 0, c, c_ok, rows, S0_QUANT, S0_SCALE)
+    col1 = _col_maxima(row, 1, c, c_ok, rows, S1_QUANT, S1_SCALE)
+    col2 = _col_maxima(row, 2, c, c_ok, rows, S2_QUANT, S2_SCALE)
+    acc0, acc1, acc2 = _columns_zero(c, S0_SCALE), _columns_zero(c, S1_SCALE), _columns_zero(c, S2_SCALE)
+    for i in range(STRIP):
+        r = (first // per_row + i).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        r_ok = r < rows
+        mask = r_ok[:, None] & c_ok[None, :]
+        start = r * cols + (first % per_row).to(tl.int64) * COLS
+        e = start[:, None] + tl.arange(0, COLS)[None, :]
+        p = tl.load(p_base + e, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_base + e, mask=mask, other=0.0).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        s0 = _state_at(
+            row,
+            0,
+            s0_values,
+            e,
+            start,
+            r,
+            c,
+            r_ok,
+            c_ok,
+            rows,
+            mask,
+            col0,
+            S0_QUANT,
+            S0_BITS,
+            QBLOCK,
+            S0_SCALE,
+            ALIGNED,
         )
-        if N_STATES == 2:
-            p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+        if N_STATES == 1:
+            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
         else:
-            s2 = _state_at(
-                row, 2, s2_values, e, start, r, c, r_ok, c_ok, rows, mask, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE, ALIGNED
+            s1 = _state_at(
+                row,
+                1,
+                s1_values,
+                e,
+                start,
+                r,
+                c,
+                r_ok,
+                c_ok,
+                rows,
+                mask,
+                col1,
+                S1_QUANT,
+                S1_BITS,
+                QBLOCK,
+                S1_SCALE,
+                ALIGNED,
             )
-            p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-            if S2_SCALE:
-                _fold(s2, mask, tl.load(info + 3), r, c, r_ok, c_ok, rows, S2_SCALE)
-        if S1_SCALE:
-            _fold(s1, mask, tl.load(info + 2), r, c, r_ok, c_ok, rows, S1_SCALE)
+            if N_STATES == 2:
+                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+            else:
+                s2 = _state_at(
+                    row,
+                    2,
+                    s2_values,
+                    e,
+                    start,
+                    r,
+                    c,
+                    r_ok,
+                    c_ok,
+                    rows,
+                    mask,
+                    col2,
+                    S2_QUANT,
+                    S2_BITS,
+                    QBLOCK,
+                    S2_SCALE,
+                    ALIGNED,
+                )
+                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+                if S2_SCALE:
+                    acc2 = _fold(s2, mask, acc2, tl.load(info + 3), r, r_ok, S2_SCALE)
+            if S1_SCALE:
+                acc1 = _fold(s1, mask, acc1, tl.load(info + 2), r, r_ok, S1_SCALE)
+        if S0_SCALE:
+            acc0 = _fold(s0, mask, acc0, tl.load(info + 1), r, r_ok, S0_SCALE)
     if S0_SCALE:
-        _fold(s0, mask, tl.load(info + 1), r, c, r_ok, c_ok, rows, S0_SCALE)
+        _fold_columns(acc0, tl.load(info + 1), rows, c, c_ok, S0_SCALE)
+    if S1_SCALE:
+        _fold_columns(acc1, tl.load(info + 2), rows, c, c_ok, S1_SCALE)
+    if S2_SCALE:
+        _fold_columns(acc2, tl.load(info + 3), rows, c, c_ok, S2_SCALE)
 
 
 @triton.jit
@@ -236,15 +329,17 @@ def normalize_columns_kernel(
         tl.store(dst + at, tl.where(mean > 0.0, tl.div_rn(x, tl.where(mean > 0.0, mean, 1.0)), 0.0), mask=at < n)
 
 
-def stats_programs(numels, rows, tile_rows: int, tile_cols: int) -> tuple:
+def stats_programs(numels, rows, tile_rows: int, tile_cols: int, strip: int = 1) -> tuple:
     """``(prog_tensor, prog_tile)`` (int32, on the CPU) of :func:`rank1_stats_kernel` over tensors of ``numels``
-    elements read as ``rows`` rows each (lists of ints): every tile of ``tile_rows`` x ``tile_cols`` of every
-    matrix, one program each."""
+    elements read as ``rows`` rows each (lists of ints): every strip of ``strip`` tiles of ``tile_rows`` x
+    ``tile_cols`` down a column of tiles of every matrix, one program each, by its first tile."""
     import torch
 
     tensors, tiles = [], []
     for t, (n, r) in enumerate(zip(numels, rows)):
-        count = -(-r // tile_rows) * -(-(n // r) // tile_cols)
-        tensors.append(torch.full((count,), t, dtype=torch.int32))
-        tiles.append(torch.arange(count, dtype=torch.int32))
+        per_row = -(-(n // r) // tile_cols)
+        strips = torch.arange(0, -(-r // tile_rows), strip, dtype=torch.int32)
+        first = (strips[:, None] * per_row + torch.arange(per_row, dtype=torch.int32)[None, :]).reshape(-1)
+        tensors.append(torch.full((len(first),), t, dtype=torch.int32))
+        tiles.append(first)
     return torch.cat(tensors), torch.cat(tiles)

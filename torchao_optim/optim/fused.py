@@ -420,7 +420,10 @@ class GroupPlan:
             self.prog_tensor, self.prog_block, self.prog_tiles = (x.to(device) for x in maps)
         else:
             self.stats_tensor, self.stats_tile = (
-                x.to(device) for x in stats_programs(numels, rows, self.stats_tile_shape.rows, tile_cols)
+                x.to(device)
+                for x in stats_programs(
+                    numels, rows, self.stats_tile_shape.rows, tile_cols, self.stats_tile_shape.strip
+                )
             )
 
     def normalize_columns(self) -> None:

@@ -204,6 +204,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         ALIGNED=plan.aligned and plan.grads_aligned and plan.tiles_aligned,
         ROWS=plan.stats_tile_shape.rows,
         COLS=plan.stats_tile_shape.cols,
+        STRIP=plan.stats_tile_shape.strip,
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
