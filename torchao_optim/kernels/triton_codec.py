@@ -229,10 +229,7 @@ def _row_col(start, local, cols, BLOCK: tl.constexpr, row0=0):
     n = cols.to(tl.int32)
     r0 = t // n
     c = (t - r0 * n) + local
-    if n >= BLOCK:
-        wrap = (c >= n).to(tl.int32)
-    else:
-        wrap = c // n
+    wrap = c // n  # 0 or 1 where a row is at least a tile long; no branch on it, which would split the loop
     return row0.to(tl.int32) + r0 + wrap, c - wrap * n
 
 
