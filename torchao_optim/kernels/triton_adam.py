@@ -195,8 +195,7 @@ def _load_tile(
     (or fp32 values); with ``N_STATES`` 3, the third state's too (from ``wc`` and ``ws``). ``WHOLE``: ``n_valid`` is the
     whole tile or nothing (``triton_codec.load_codes``). A state whose scales are over the whole matrix (``M_SCALE``,
     ...: 1 rank-1, 2 factored, their index in ``SCALE_KINDS``) reads the tensor as ``rows`` rows of ``cols``; its scales
-    (a factored state: its values) are each element's. ``ROW_TILE``: the tile is whole and lies in row ``row``; else
-    ``row`` is the program's first row (``triton_codec.load_codes``)."""
+    (a factored state: its values) are each element's. ``ROW_TILE``: the tile is whole and lies in row ``row``."""
     start = blk * BLOCK
     p = load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE)
     g = load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE)
@@ -354,13 +353,12 @@ def _update_tile(
     m_new=0,
     v_new=0,
     w_new=0,
-    row=0,
 ):
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
     coefficients (:func:`_load_coefs`, :func:`_load_row`). With ``N_STATES`` 3, the third state's too (the ``w``
     arguments, as the first two states' ``m`` and ``v``). A state with rank-1 scales is encoded with its new maxima
     (``m_new``, ...: :func:`_load_tile`'s scales were the old ones). Returns the new states' fp32 values ``(m, v, w)``
-    (with two states, ``v`` in the third place), which a factored state's sums take. ``row``: :func:`_load_tile`'s."""
+    (with two states, ``v`` in the third place), which a factored state's sums take."""
     if N_STATES == 3:
         p, g, m_raw, m_scale, v_raw, v_scale, w_raw, w_scale = tile
     else:
@@ -403,7 +401,6 @@ def _update_tile(
         M_SCALE,
         rows,
         cols,
-        row,
     )
     store_state(
         v,
@@ -427,7 +424,6 @@ def _update_tile(
         V_SCALE,
         rows,
         cols,
-        row,
     )
     if N_STATES == 3:
         store_state(
@@ -452,7 +448,6 @@ def _update_tile(
             W_SCALE,
             rows,
             cols,
-            row,
         )
     third = v
     if N_STATES == 3:
@@ -574,9 +569,8 @@ def adam_kernel(
             v_cols = tl.zeros((BLOCK,), tl.float64)
         if W_SCALE == FACTORED:
             w_cols = tl.zeros((BLOCK,), tl.float64)
-    else:  # consecutive tiles: each tile's row and column from the program's first row, in 32 bits
-        stride = 1
-        row0 = (first * BLOCK) // cols if (M_SCALE or V_SCALE or W_SCALE) else 0
+    else:
+        stride, row0 = 1, 0
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
@@ -658,7 +652,7 @@ def adam_kernel(
                 rows=rows,
                 cols=cols,
                 ROW_TILE=FOLD,
-                row=row0 + (i + 1) * FOLD,  # FOLD: the next tile's row; else the program's first
+                row=row0 + i + 1,
             )
         else:
             tile = _load_tile(
@@ -693,7 +687,7 @@ def adam_kernel(
                 rows=rows,
                 cols=cols,
                 ROW_TILE=FOLD,
-                row=row0 + i * FOLD,
+                row=row0 + i,
             )
         new = _update_tile(
             tile,
@@ -751,7 +745,6 @@ def adam_kernel(
             m_new=m_new,
             v_new=v_new,
             w_new=w_new,
-            row=row0 + i * FOLD,
         )
         if FOLD:
             r = row0 + i
@@ -804,7 +797,6 @@ def adam_kernel(
             W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
-            row=row0,
         )
         _update_tile(
             tile,
@@ -861,5 +853,4 @@ def adam_kernel(
             m_new=m_new,
             v_new=v_new,
             w_new=w_new,
-            row=row0,
         )

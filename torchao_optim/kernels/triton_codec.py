@@ -219,27 +219,27 @@ def whole_mask(n_valid, N: tl.constexpr):
 
 
 @triton.jit
-def _row_col(start, local, cols, BLOCK: tl.constexpr, row0=0):
-    """Row and column (int32) of elements ``start + local`` in the row-major matrix of ``cols`` columns, from
-    ``row0``, a row at or before the tile's whose first element is less than 2**31 elements before it (the program's
-    first row): one 32-bit division per tile (a 64-bit one is a call and a branch, which would keep ptxas from moving
-    the next tile's loads' uses past this tile's update), and per element a compare where a row is at least a tile
-    long (a tile then ends at most one row further on), else a division."""
-    t = (start - row0 * cols).to(tl.int32)
+def _row_col(start, local, cols, BLOCK: tl.constexpr):
+    """Row and column (int32) of elements ``start + local`` in the row-major matrix of ``cols`` columns: one division
+    per tile, and per element a compare where a row is at least a tile long (a tile then ends at most one row
+    further on), else a division."""
+    r0 = start // cols
+    c = (start - r0 * cols).to(tl.int32) + local
     n = cols.to(tl.int32)
-    r0 = t // n
-    c = (t - r0 * n) + local
-    wrap = c // n  # 0 or 1 where a row is at least a tile long; no branch on it, which would split the loop
-    return row0.to(tl.int32) + r0 + wrap, c - wrap * n
+    if n >= BLOCK:
+        wrap = (c >= n).to(tl.int32)
+    else:
+        wrap = c // n
+    return r0.to(tl.int32) + wrap, c - wrap * n
 
 
 @triton.jit
-def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr, row0=0):
+def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr):
     """Rank-1 scales (``StateLayout.scale`` ``"rank1"``) of elements ``start + local`` (the first ``n_valid`` exist;
     1.0 past them) of a matrix of ``rows`` rows of ``cols``: ``min(row maximum, column maximum)`` from ``maxima``
     (fp32: the row maxima, then the column maxima), as ``FourBitRank1Tensor`` takes them. The maxima are a few KB
-    per matrix: these loads are cache hits. ``row0``: :func:`_row_col`'s."""
-    r, c = _row_col(start, local, cols, BLOCK, row0)
+    per matrix: these loads are cache hits."""
+    r, c = _row_col(start, local, cols, BLOCK)
     m = maxima.to(tl.pointer_type(tl.float32))
     mask = local < n_valid
     return tl.minimum(tl.load(m + r, mask=mask, other=1.0), tl.load(m + rows + c, mask=mask, other=1.0))
@@ -266,7 +266,7 @@ def factored_means(
             columns.to(tl.pointer_type(tl.float32)) + first + local, mask=whole_mask(n_valid, BLOCK), other=0.0
         )
     else:
-        r, c = _row_col(start, local, cols, BLOCK, row)
+        r, c = _row_col(start, local, cols, BLOCK)
         x = tl.load(row_means.to(tl.pointer_type(tl.float32)) + r, mask=local < n_valid, other=0.0)
         return x, tl.load(columns.to(tl.pointer_type(tl.float32)) + c, mask=local < n_valid, other=0.0)
 
@@ -351,8 +351,7 @@ def load_codes(
     scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
     factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means): returns its row
     means and its columns, whose product :func:`load_state` takes (:func:`factored_means`; ``ROW_TILE``: the tile is
-    whole and in row ``row``). Else ``row`` is a row at or before the tile's, less than 2**31 elements before it (the
-    program's first row: :func:`_row_col`)."""
+    whole and in row ``row``)."""
     # one return, after the branches (only the constant conditions' branch is compiled): Triton unifies the types of
     # a function's returns, and a factored state's are not the codes'
     if QUANT and SCALE == FACTORED:  # no codes: the values are the row mean times the column's
@@ -367,7 +366,7 @@ def load_codes(
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
         raw = raw.to(tl.int32)
         if SCALE == RANK1:
-            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK, row)
+            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
         elif QBLOCK == BLOCK:
             scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
         else:
@@ -438,7 +437,6 @@ def store_state(
     SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
-    row=0,
 ):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
@@ -446,7 +444,7 @@ def store_state(
     so the compiled path's finiteness masks change nothing here. ``SCALE`` ``RANK1`` (rank-1 scales over a matrix of
     ``rows`` rows of ``cols``): ``scales`` are the new maxima, already taken over the whole matrix's new values (a first
     pass, :mod:`~torchao_optim.kernels.triton_rank1`); only the codes of ``x`` over each element's scale are
-    written. ``row``: :func:`load_codes`'."""
+    written."""
     mask = local < n_valid
     if QUANT and SCALE == FACTORED:
         pass  # no codes; the new means come from the first pass's sums, stored once every tile has decoded
@@ -457,7 +455,7 @@ def store_state(
         # so other tiles pay nothing. Several: the factor is per block, 1 for all others (a branch there would
         # hold both paths in registers: 9 more).
         if SCALE == RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
-            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK, row)
+            scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
             lift = tl.where(scale < TINY, LIFT, 1.0)
             y = (x * lift) * tl.div_rn(1.0, tl.where(scale > 0, scale * lift, 1.0))
         elif QBLOCK == BLOCK:

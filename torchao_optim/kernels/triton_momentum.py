@@ -59,19 +59,17 @@ def _momentum_tile(
     rows=0,
     cols=0,
     s_new=0,
-    row0=0,
 ):
     """The update of tile ``blk`` (its first ``n_valid`` elements): loads, the rule's arithmetic (``UPDATE`` with its
     ``OPTION``), stores. ``coefs``: the tensor's four coefficients, loaded once per program. ``WHOLE``: the tile is
     whole (as in ``adam_kernel``'s loop: codes and bf16 values move in words). ``S_SCALE``: the state's scales are over
     ``rows`` rows of ``cols``: rank-1 (1), decoded with its maxima and encoded with the new ones at ``s_new``, or
-    factored (2), decoded from its means, no codes written; ``row0``: the program's first row
-    (``triton_codec._row_col``)."""
+    factored (2), decoded from its means, no codes written."""
     start = blk * BLOCK
     p = as_fp32(load_values(p_base, start, local, n_valid, PARAM_DTYPE, BLOCK, VEC, WHOLE), PARAM_DTYPE, WHOLE)
     g = as_fp32(load_values(g_base, start, local, n_valid, GRAD_DTYPE, BLOCK, VEC, WHOLE), GRAD_DTYPE, WHOLE)
     raw, scale = load_codes(
-        sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_SCALE, rows, cols, False, row0
+        sc, ss, start, blk, local, n_valid, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_SCALE, rows, cols
     )
     s = load_state(raw, scale, s_values, S_QUANT, S_BITS, QBLOCK, BLOCK, VEC, WHOLE, S_SCALE)
 
@@ -102,7 +100,6 @@ def _momentum_tile(
         S_SCALE,
         rows,
         cols,
-        row0,
     )
 
 
@@ -158,9 +155,8 @@ def momentum_kernel(
         rows = tl.load(rank1 + 2 * t)
         cols = numel // rows
         s_new = tl.load(rank1 + 2 * t + 1)
-        row0 = (first * BLOCK) // cols  # the program's first row (triton_codec._row_col)
     else:
-        rows, cols, s_new, row0 = 0, 0, 0, 0
+        rows, cols, s_new = 0, 0, 0
     if ALIGNED:  # as in adam_kernel: 16-byte aligned tables give vector loads and stores
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     for i in range(0, n_full):
@@ -197,7 +193,6 @@ def momentum_kernel(
             rows,
             cols,
             s_new,
-            row0,
         )
     if has_tail:
         blk = first + n_full
@@ -234,5 +229,4 @@ def momentum_kernel(
             rows,
             cols,
             s_new,
-            row0,
         )
