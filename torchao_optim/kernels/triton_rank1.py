@@ -2,9 +2,10 @@
 
 A rank-1 scaled state is encoded with the row and column maxima of its new values over the whole matrix, so those
 maxima must be known before any of its codes is written. ``rank1_stats_kernel`` runs the rule's element update (the
-same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, stores nothing of
-it, and folds each rank-1 state's new magnitudes into the maxima, one atomic maximum per row and per column of a tile,
-and each factored state's new values into fp64 row and column sums, one atomic addition per row and per column. The
+same ``UPDATE`` the step kernel inlines) on a matrix's tiles of ``ROWS`` rows by ``COLS`` columns, each program a
+strip of ``STRIP`` tiles down a column of tiles, stores nothing of it, and folds each rank-1 state's new magnitudes
+into the maxima and each factored state's new values into fp64 row and column sums: one atomic per row of a tile, and
+one per column of a strip (the strip's column statistics held in registers over its tiles). The
 step kernel (:func:`~torchao_optim.kernels.triton_adam.adam_kernel`) then decodes with the old maxima or means,
 encodes with the new maxima, and the plan stores the new statistics into the states last. Only what those states'
 new values depend on is read here: the compiler drops the loads of the rest (Adam's ``exp_avg_sq`` needs only the
