@@ -221,8 +221,9 @@ def rank1_stats_kernel(
     col1 = _col_maxima(row, 1, c, c_ok, rows, S1_QUANT, S1_SCALE)
     col2 = _col_maxima(row, 2, c, c_ok, rows, S2_QUANT, S2_SCALE)
     acc0, acc1, acc2 = _columns_zero(c, S0_SCALE), _columns_zero(c, S1_SCALE), _columns_zero(c, S2_SCALE)
-    for i in range(STRIP):
-        r = (first // per_row + i).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_tile = first // per_row
+    for i in range(0, tl.minimum(STRIP, tl.cdiv(rows, ROWS) - row_tile)):  # the strip's tiles, none past the rows
+        r = (row_tile + i).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         r_ok = r < rows
         mask = r_ok[:, None] & c_ok[None, :]
         start = r * cols + (first % per_row).to(tl.int64) * COLS
