@@ -137,6 +137,7 @@ def test_formats_from_a_missing_file_is_a_one_line_error(capsys):
     assert "--formats_from no_such_file.py: no such file" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # about 34 s of compiles: a benchmark-only candidate, not a library format
 def test_stochastic_codes_are_unbiased_deterministic_and_take_the_compiled_path(variants):
     """ "4bit_sr" rounds each code up or down between its two neighbours so that the decoded value is right on average,
     from bits that depend only on the element's position and value (a resumed run stores the same codes); the fused
