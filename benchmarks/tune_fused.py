@@ -58,9 +58,9 @@ def main():
     )
     ap.add_argument(
         "--stats-strip",
-        default="1",
-        help="scales over a matrix: tiles a program of the first pass walks down a column of tiles "
-        "(kernels.triton_rank1.STATS_TILES' strip, every kind)",
+        default="auto",
+        help="scales over a matrix: tiles a program of the first pass walks down a column of tiles, every kind "
+        "(auto: kernels.triton_rank1.STATS_TILES' own)",
     )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
@@ -79,11 +79,13 @@ def main():
         for d in map(int, args.pdl.split(","))
         for b in map(int, args.flat_bits.split(","))
         for fr in map(int, args.fold_rows.split(","))
-        for st in map(int, args.stats_strip.split(","))
+        for st in args.stats_strip.split(",")
     ]
     tiles = dict(triton_rank1.STATS_TILES)
     for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip in configs:
-        triton_rank1.STATS_TILES = {kind: tile._replace(strip=strip) for kind, tile in tiles.items()}
+        triton_rank1.STATS_TILES = (
+            tiles if strip == "auto" else {kind: tile._replace(strip=int(strip)) for kind, tile in tiles.items()}
+        )
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
         fused.FOLD_ROWS = fold_rows
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
@@ -106,7 +108,7 @@ def main():
         first_pass = big.rank1 is not None and not big.fold_sums
         print(
             f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
-            f"| {fold_rows if big.fold_sums else '-'} | {strip if first_pass else '-'} "
+            f"| {fold_rows if big.fold_sums else '-'} | {big.stats_tile_shape.strip if first_pass else '-'} "
             f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )
