@@ -3,7 +3,8 @@
 # (every registered format, the test-only formats, torch's AdamW and whatever peers are installed).
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
-# rank-1 and factored scales, "muon" Muon8bit's fused momentum against its compiled path; the
+# rank-1 and factored scales, "targets" times every new rule and matrix-scale format against its floor, "rank1_ncu"
+# profiles the rank-1 step's two kernels, "muon" Muon8bit's fused momentum against its compiled path; the
 # memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
@@ -77,6 +78,34 @@ if has rank1; then
 fi
 # The memory benchmark: every configuration on TinyLlama-1.1B (the offload acceptance), then the largest Llama
 # that fits on the machine, in three runs (state on the GPU; torchao's CPU offload; ours with offload_state).
+# Every new rule and matrix-scale format against its floor, beside torch's fused AdamW (the rules issue's targets):
+# TinyLlama geometry, bf16 and fp32 parameters, under $OUT/targets.
+if has targets; then
+    mkdir -p "$OUT/targets"
+    python benchmarks/benchmark_step.py --geometries llama_1b --dtypes bf16,fp32 --steps 20 --out "$OUT/targets" \
+        --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4,AdEMAMix8bit,AdamW8bitAmsgrad,RMSpropCentered8bit,RMSpropCenteredNoMomentum8bit,RMSprop8bit,Adagrad8bit \
+        2>&1 | tee "$OUT/targets/step.txt"
+fi
+# Where "4bit_rank1"'s step goes: the first pass's strips timed (1, 16, 64 tiles a program), then Nsight Compute on
+# its two kernels (first pass and step) with bf16 parameters, with the source view's stall samples, under
+# $OUT/rank1_ncu.
+if has rank1_ncu; then
+    mkdir -p "$OUT/rank1_ncu"
+    for dtype in fp32 bf16; do
+        python benchmarks/tune_fused.py --state-format 4bit_rank1 --dtype "$dtype" --iters 8 --prefetch 1 --warps 1 \
+            --stats-strip 1,16,64 --steps 10 2>&1 | tee "$OUT/rank1_ncu/strips_$dtype.txt"
+    done
+    if command -v ncu >/dev/null; then
+        ncu --set full --import-source yes --clock-control none --kernel-name regex:"rank1_stats_kernel|adam_kernel" \
+            --launch-skip 6 --launch-count 2 -o "$OUT/rank1_ncu/rank1" python benchmarks/tune_fused.py \
+            --state-format 4bit_rank1 --dtype bf16 --iters 8 --prefetch 1 --warps 1 --steps 3 >/dev/null 2>&1
+        ncu --import "$OUT/rank1_ncu/rank1.ncu-rep" --print-summary none > "$OUT/rank1_ncu/ncu.txt" 2>&1
+        ncu --import "$OUT/rank1_ncu/rank1.ncu-rep" --page source --csv --print-source sass \
+            > "$OUT/rank1_ncu/source.csv" 2>&1
+        grep -E "rank1_stats_kernel|adam_kernel|Duration|DRAM Throughput|Registers Per|Achieved Occ|L1/TEX Hit|Mem Busy" \
+            "$OUT/rank1_ncu/ncu.txt"
+    fi
+fi
 if has memory_1b; then
     python benchmarks/benchmark_memory.py --geometry llama_1b --out "$OUT/memory/llama_1b" 2>&1 \
         | tee "$OUT/memory_1b.txt"
