@@ -124,6 +124,7 @@ def compile_adam(
         V_SIGNED=rule.signed[1],
         PDL=True,
         FOLD=fold,
+        ROW_TILES=2 if rank1 == 1 else 0,  # as the planner gives a rank-1 plan of whole rows of tiles (TinyLlama)
     )
     # the encoders' form as the planner picks it for the built-in format of this code width
     layouts = [

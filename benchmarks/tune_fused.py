@@ -62,6 +62,12 @@ def main():
         help="scales over a matrix: tiles a program of the first pass walks down a column of tiles, every kind "
         "(auto: kernels.triton_rank1.STATS_TILES' own)",
     )
+    ap.add_argument(
+        "--stats-rows",
+        default="auto",
+        help="scales over a matrix: rows of a first-pass tile, every kind (auto: kernels.triton_rank1.STATS_TILES' "
+        "own; rank-1 aligned rows are read one at a time, the loop unrolled this many times)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -80,12 +86,17 @@ def main():
         for b in map(int, args.flat_bits.split(","))
         for fr in map(int, args.fold_rows.split(","))
         for st in args.stats_strip.split(",")
+        for sr in args.stats_rows.split(",")
     ]
     tiles = dict(triton_rank1.STATS_TILES)
-    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip in configs:
-        triton_rank1.STATS_TILES = (
-            tiles if strip == "auto" else {kind: tile._replace(strip=int(strip)) for kind, tile in tiles.items()}
-        )
+    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip, stats_rows in configs:
+        triton_rank1.STATS_TILES = {
+            kind: tile._replace(
+                strip=tile.strip if strip == "auto" else int(strip),
+                rows=tile.rows if stats_rows == "auto" else int(stats_rows),
+            )
+            for kind, tile in tiles.items()
+        }
         fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
         fused.FOLD_ROWS = fold_rows
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
@@ -96,10 +107,10 @@ def main():
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
             print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
             print(
-                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | pass strip | step ms | x floor "
-                "| host ms | regs | spills |"
+                "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | pass strip | pass rows "
+                "| step ms | x floor | host ms | regs | spills |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
@@ -109,6 +120,7 @@ def main():
         print(
             f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
             f"| {fold_rows if big.fold_sums else '-'} | {big.stats_tile_shape.strip if first_pass else '-'} "
+            f"| {big.stats_tile_shape.rows if first_pass else '-'} "
             f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )

@@ -37,6 +37,8 @@ ALIGNED_SHAPES = ((5, 256), (70, 128), (2, 3, 128))
 # rows of whole step tiles (256 columns): factored sums in the step itself (FOLD), no first pass; 40 rows are a strip
 # of FOLD_ROWS (32) and one of 8, two strips side by side
 STRIP_SHAPES = ((5, 256), (40, 512), (2, 2, 256))
+# the same kind of rows, every row count a multiple of 4: rank-1 scales' columns then at 16-byte boundaries (vectors)
+ROW_SHAPES = ((4, 256), (40, 512), (4, 2, 256))
 
 
 def _train(make, fused, fmt, shapes=SHAPES):
@@ -66,19 +68,30 @@ CASES = [
     for shapes_id, marks in (
         ("edges", ()),
         ("aligned", () if name == "adamw" else pytest.mark.slow),
+        # (rank-1 scales there: rows of whole step tiles, read by row with the new maxima's reciprocals)
         ("strips", () if n > 1 and fmt != "4bit_rank1" else pytest.mark.slow),
+        ("rows", () if name == "adamw" and fmt == "4bit_rank1" else pytest.mark.slow),
         # the first pass's programs strips of three tiles down a column (the last one short, or past the rows), for
         # every kind of scales (the edges take rank-1 scales' strips of 64: (300, 7) is three, the last one short)
         ("pass-strips", pytest.mark.slow),
+        # the same over aligned rows, which the first pass reads row by row (a strip's end, an odd count of rows)
+        ("aligned-pass-strips", () if name == "adamw" and fmt == "4bit_rank1" else pytest.mark.slow),
     )
 ]
-SHAPE_SETS = {"edges": SHAPES, "aligned": ALIGNED_SHAPES, "strips": STRIP_SHAPES, "pass-strips": SHAPES}
+SHAPE_SETS = {
+    "edges": SHAPES,
+    "aligned": ALIGNED_SHAPES,
+    "strips": STRIP_SHAPES,
+    "rows": ROW_SHAPES,
+    "pass-strips": SHAPES,
+    "aligned-pass-strips": ALIGNED_SHAPES,
+}
 
 
 @pytest.mark.parametrize("name,shapes_id,fmt", CASES)
 def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt, monkeypatch):
     monkeypatch.setattr(fused, "FOLD_ROWS", 32)  # strips of 32 rows, whatever the default
-    if shapes_id == "pass-strips":
+    if shapes_id.endswith("pass-strips"):
         from torchao_optim.kernels import triton_rank1
 
         tiles = {kind: tile._replace(strip=3) for kind, tile in triton_rank1.STATS_TILES.items()}
@@ -96,12 +109,16 @@ def test_matrix_scales_on_triton_equal_compiled_path(name, shapes_id, fmt, monke
 
     for plan in matrix_plans:  # the tile and strip of the plan's kind of scales (strips of three where patched)
         assert plan.stats_tile_shape == stats_tile([layout.scale for layout in plan.layouts])
-        assert plan.stats_tile_shape.strip == 3 or shapes_id != "pass-strips"
-    if shapes_id != "strips":
+        assert plan.stats_tile_shape.strip == 3 or not shapes_id.endswith("pass-strips")
+    if shapes_id not in ("strips", "rows"):
         assert all(plan.tiles_aligned == (shapes is ALIGNED_SHAPES) for plan in matrix_plans)
     # factored states in a kernel of two or three states over rows of whole tiles: sums in the step, else a first pass
-    folds = shapes_id == "strips" and fmt != "4bit_rank1" and n_states > 1
+    folds = shapes_id in ("strips", "rows") and fmt != "4bit_rank1" and n_states > 1
     assert all(plan.fold_sums == folds for plan in matrix_plans)
+    # rank-1 scales over rows of whole step tiles (two or three states): each tile's row followed, the new maxima's
+    # reciprocals read (2: the columns' statistics as vectors, every row count a multiple of 4)
+    by_rows = shapes_id in ("strips", "rows") and fmt == "4bit_rank1" and n_states > 1
+    assert all(plan.row_tiles == by_rows * (1 + (shapes_id == "rows")) for plan in matrix_plans)
     # a two-state plan that takes its sums in the step runs under FOLD_CAPS' register cap (fp32 parameters here), the
     # other matrix-scale plans under the compiler's choice
     cap = fused.FOLD_CAPS[4] if folds and n_states == 2 else None

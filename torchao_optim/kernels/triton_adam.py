@@ -353,6 +353,8 @@ def _update_tile(
     m_new=0,
     v_new=0,
     w_new=0,
+    ROW_TILE: tl.constexpr = False,
+    row=0,
 ):
     """The rule's update (``UPDATE`` with its ``OPTION``) of one loaded tile, and its stores. ``coefs``: the tensor's
     coefficients (:func:`_load_coefs`, :func:`_load_row`). With ``N_STATES`` 3, the third state's too (the ``w``
@@ -401,6 +403,8 @@ def _update_tile(
         M_SCALE,
         rows,
         cols,
+        ROW_TILE,
+        row,
     )
     store_state(
         v,
@@ -424,6 +428,8 @@ def _update_tile(
         V_SCALE,
         rows,
         cols,
+        ROW_TILE,
+        row,
     )
     if N_STATES == 3:
         store_state(
@@ -448,6 +454,8 @@ def _update_tile(
             W_SCALE,
             rows,
             cols,
+            ROW_TILE,
+            row,
         )
     third = v
     if N_STATES == 3:
@@ -527,6 +535,9 @@ def adam_kernel(
     W_SCALE: tl.constexpr = 0,  # each state's kind of scales (its index in SCALE_KINDS): 0 block, 1 rank-1, 2 factored
     FOLD: tl.constexpr = False,  # factored states' sums taken here, no first pass: each program walks a strip of whole
     # tiles down its matrix's rows, its tiles cols // BLOCK apart (optim.fused.strip_map), none of them partial
+    ROW_TILES: tl.constexpr = 0,  # 1: every matrix's rows are whole tiles (a plan of rank-1 scales): each tile's row
+    # is followed along the program's run, and its rank-1 scales are a row's maximum and a run of columns' maxima; 2:
+    # also every row count a multiple of 4 (with ALIGNED, a run of columns' maxima is then read as vectors)
 ):
     # With PDL this kernel may start before the one before it in the stream has finished (the coefficients kernel,
     # or the previous plan's update): what that kernel writes, the coefficients and the step counts, is read only
@@ -571,6 +582,13 @@ def adam_kernel(
             w_cols = tl.zeros((BLOCK,), tl.float64)
     else:
         stride, row0 = 1, 0
+    if ROW_TILES:  # the current tile's row and its place in the row (one division a program, none a tile)
+        per_row = (cols // BLOCK).to(tl.int32)
+        cur_row = first.to(tl.int32) // per_row
+        cur_j = first.to(tl.int32) - cur_row * per_row
+        first_row = cur_row
+    else:
+        first_row = row0
     # Whole tiles have n_valid BLOCK or 0: their masks are one predicate for the tile, and loads and stores
     # stay vectors (WHOLE: 4-bit codes and bf16 values move in words of a thread's own elements).
     if PREFETCH:
@@ -605,8 +623,8 @@ def adam_kernel(
             W_SCALE=W_SCALE,
             rows=rows,
             cols=cols,
-            ROW_TILE=FOLD,
-            row=row0,
+            ROW_TILE=FOLD + ROW_TILES,
+            row=first_row,
         )
     if PDL:
         gdc_wait()
@@ -620,6 +638,10 @@ def adam_kernel(
         if PREFETCH:
             tile = nxt
             more = tl.where(n_full - i > 1, BLOCK, 0)  # the next tile is whole and this program's
+            if ROW_TILES:
+                ahead = cur_row + (cur_j + 1 == per_row).to(tl.int32)
+            else:
+                ahead = row0 + i + 1
             nxt = _load_tile(
                 p_base,
                 g_base,
@@ -651,8 +673,8 @@ def adam_kernel(
                 W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
-                ROW_TILE=FOLD,
-                row=row0 + i + 1,
+                ROW_TILE=FOLD + ROW_TILES,
+                row=ahead,
             )
         else:
             tile = _load_tile(
@@ -686,8 +708,8 @@ def adam_kernel(
                 W_SCALE=W_SCALE,
                 rows=rows,
                 cols=cols,
-                ROW_TILE=FOLD,
-                row=row0 + i,
+                ROW_TILE=FOLD + ROW_TILES,
+                row=cur_row if ROW_TILES else row0 + i,
             )
         new = _update_tile(
             tile,
@@ -745,7 +767,12 @@ def adam_kernel(
             m_new=m_new,
             v_new=v_new,
             w_new=w_new,
+            ROW_TILE=ROW_TILES,
+            row=cur_row if ROW_TILES else 0,
         )
+        if ROW_TILES:
+            cur_row = cur_row + (cur_j + 1 == per_row).to(tl.int32)
+            cur_j = tl.where(cur_j + 1 == per_row, 0, cur_j + 1)
         if FOLD:
             r = row0 + i
             if M_SCALE == FACTORED:

@@ -246,6 +246,45 @@ def rank1_scales(maxima, rows, cols, start, local, n_valid, BLOCK: tl.constexpr)
 
 
 @triton.jit
+def _row_and_columns(m, rows, cols, row, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr):
+    """The entries of ``m`` (fp32: a matrix's row statistics, then its columns') of a tile that is whole or absent
+    (``n_valid`` 0) and lies in row ``row``, which the caller knows: its row's (one scalar load) and its columns' (one
+    contiguous run), with no division per element. ``ROW_TILE`` 2: the columns' start at a 16-byte boundary (every
+    address aligned, and ``rows`` a multiple of 4), so that the run's loads are vectors."""
+    first = (start - row * cols).to(tl.int32)
+    at_row = tl.load(m + row, mask=n_valid > 0, other=1.0)
+    columns = m + rows + first
+    if ROW_TILE == 2:
+        columns = tl.multiple_of(columns, 16)
+    return at_row, tl.load(columns + local, mask=whole_mask(n_valid, BLOCK), other=1.0)
+
+
+@triton.jit
+def rank1_row_scales(maxima, rows, cols, row, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr):
+    """:func:`rank1_scales` of a tile that is whole or absent and lies in row ``row`` (:func:`_row_and_columns`)."""
+    row_max, col_max = _row_and_columns(
+        maxima.to(tl.pointer_type(tl.float32)), rows, cols, row, start, local, n_valid, BLOCK, ROW_TILE
+    )
+    return tl.minimum(row_max, col_max)
+
+
+@triton.jit
+def rank1_row_normalized(
+    x, maxima, rows, cols, row, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr
+):
+    """``x`` over its rank-1 scales, on a tile that is whole or absent and lies in row ``row``, bit for bit as
+    :func:`store_state` divides on any tile: ``(x * lift) * (1 / (scale * lift))``, the scale the smaller of the row's
+    and the column's maxima. The reciprocal depends on the scale alone, so it is the one of whichever maximum is the
+    smaller, read from the reciprocals the plan stores after the maxima (``FusedPlan.rank1_inverses``: ``rows + cols``
+    further on) instead of taken per element."""
+    m = maxima.to(tl.pointer_type(tl.float32))
+    row_max, col_max = _row_and_columns(m, rows, cols, row, start, local, n_valid, BLOCK, ROW_TILE)
+    row_inv, col_inv = _row_and_columns(m + rows + cols, rows, cols, row, start, local, n_valid, BLOCK, ROW_TILE)
+    lift = tl.where(tl.minimum(row_max, col_max) < TINY, LIFT, 1.0)
+    return (x * lift) * tl.where(row_max <= col_max, row_inv, col_inv)
+
+
+@triton.jit
 def factored_means(
     row_means, columns, cols, start, local, n_valid, BLOCK: tl.constexpr, ROW_TILE: tl.constexpr = False, row=0
 ):
@@ -350,8 +389,8 @@ def load_codes(
     state's scales are over a matrix of ``rows`` rows of ``cols`` (its kind's index in ``SCALE_KINDS``): 1, rank-1
     scales (``scales``: its maxima), the scales returned each element's (:func:`rank1_scales`); :data:`FACTORED`, a
     factored state, no codes (``codes``: its columns over their mean, ``scales``: its row means): returns its row
-    means and its columns, whose product :func:`load_state` takes (:func:`factored_means`; ``ROW_TILE``: the tile is
-    whole and in row ``row``)."""
+    means and its columns, whose product :func:`load_state` takes (:func:`factored_means`). ``ROW_TILE``: the tile is
+    whole (or absent) and in row ``row``, so that a row's statistic is one load and the columns' a contiguous run."""
     # one return, after the branches (only the constant conditions' branch is compiled): Triton unifies the types of
     # a function's returns, and a factored state's are not the codes'
     if QUANT and SCALE == FACTORED:  # no codes: the values are the row mean times the column's
@@ -365,7 +404,9 @@ def load_codes(
             half = tile_offsets(BLOCK // 2, VEC // 2)  # a thread's bytes are those of its own elements
             raw = tl.load(codes.to(tl.pointer_type(tl.uint8)) + start // 2 + half, mask=2 * half < n_valid, other=0)
         raw = raw.to(tl.int32)
-        if SCALE == RANK1:
+        if SCALE == RANK1 and ROW_TILE:
+            scale = rank1_row_scales(scales, rows, cols, row, start, local, n_valid, BLOCK, ROW_TILE)
+        elif SCALE == RANK1:
             scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
         elif QBLOCK == BLOCK:
             scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + blk, mask=n_valid > 0, other=0.0)
@@ -437,6 +478,8 @@ def store_state(
     SCALE: tl.constexpr = 0,
     rows=0,
     cols=0,
+    ROW_TILE: tl.constexpr = False,
+    row=0,
 ):
     """Write ``x`` (BLOCK fp32: tile ``blk`` from element ``start``, ``BLOCK // QBLOCK`` quantization blocks;
     the first ``n_valid`` elements exist) back: each block's absmax and the codes of ``x * (1 / absmax)``, or
@@ -444,7 +487,8 @@ def store_state(
     so the compiled path's finiteness masks change nothing here. ``SCALE`` ``RANK1`` (rank-1 scales over a matrix of
     ``rows`` rows of ``cols``): ``scales`` are the new maxima, already taken over the whole matrix's new values (a first
     pass, :mod:`~torchao_optim.kernels.triton_rank1`); only the codes of ``x`` over each element's scale are
-    written."""
+    written. ``ROW_TILE`` and ``row``: :func:`load_codes`'; a rank-1 state's tile then takes the reciprocals of the new
+    maxima stored after them (:func:`rank1_row_normalized`)."""
     mask = local < n_valid
     if QUANT and SCALE == FACTORED:
         pass  # no codes; the new means come from the first pass's sums, stored once every tile has decoded
@@ -454,7 +498,9 @@ def store_state(
         # (exact), as quant.blockwise.normalize does. One block per tile: a branch, taken only by such a block,
         # so other tiles pay nothing. Several: the factor is per block, 1 for all others (a branch there would
         # hold both paths in registers: 9 more).
-        if SCALE == RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
+        if SCALE == RANK1 and ROW_TILE:
+            y = rank1_row_normalized(x, scales, rows, cols, row, start, local, n_valid, BLOCK, ROW_TILE)
+        elif SCALE == RANK1:  # as FourBitRank1Tensor.quantize_fields, per element; |x| is at most its scale
             scale = rank1_scales(scales, rows, cols, start, local, n_valid, BLOCK)
             lift = tl.where(scale < TINY, LIFT, 1.0)
             y = (x * lift) * tl.div_rn(1.0, tl.where(scale > 0, scale * lift, 1.0))

@@ -26,7 +26,13 @@ import triton
 import triton.language as tl
 
 from torchao_optim.kernels.triton_adam import _load_row
-from torchao_optim.kernels.triton_codec import FACTORED, RANK1, factored_part
+from torchao_optim.kernels.triton_codec import FACTORED, RANK1, _decode_words, factored_part, tile_offsets
+
+# Under ALIGNED, the elements a thread reads of a row of a tile: a run of RUN contiguous columns (16 bytes of fp32, 8
+# of bf16, two bytes of 4-bit codes). Every access of the row is declared in runs of RUN, so that all take one register
+# layout and nothing moves between threads (triton_codec.tile_offsets); a tile of COLS = 32 x RUN columns is then one
+# run a thread of its one warp.
+RUN = tl.constexpr(4)
 
 
 # A program reads one small tile: few values a thread, so many programs an SM (larger tiles held so many registers
@@ -41,9 +47,10 @@ class StatsTile(NamedTuple):
     cols: int
     warps: int
     strip: int = 1  # tiles a program walks down a column of tiles, its column statistics kept in registers
+    rowwise: bool = False  # where a plan is ALIGNED, a tile read row by row, one run of RUN columns a thread
 
 
-STATS_TILES = {"rank1": StatsTile(2, 128, 1, 64), "factored": StatsTile(8, 128, 4)}
+STATS_TILES = {"rank1": StatsTile(2, 128, 1, 64, rowwise=True), "factored": StatsTile(8, 128, 4)}
 
 
 def stats_tile(scales) -> StatsTile:
@@ -116,6 +123,73 @@ def _state_at(
 
 
 @triton.jit
+def _row_state(
+    codes,
+    scales,
+    values,
+    e,
+    start,
+    r,
+    col,
+    QUANT: tl.constexpr,
+    BITS: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    SCALE: tl.constexpr,
+):
+    """A state's fp32 values on one row of an ALIGNED tile, as :func:`_state_at` reads them on a whole tile (``codes``
+    and ``scales``: its addresses from the pointer table, loaded once a strip): the tile's row ``r`` (a scalar) from
+    element ``start`` (a multiple of 16 bytes of every array, inside one block), its elements ``e`` (a vector:
+    ``start`` plus runs of :data:`RUN`); ``col``: the strip's column maxima (rank-1) or columns over their mean
+    (factored), loaded once a strip. 4-bit codes come as one word of two bytes per run, decoded in the thread's
+    registers (``triton_codec._decode_words``), and a block's scale is one scalar load."""
+    if QUANT and SCALE == FACTORED:
+        return tl.load(scales.to(tl.pointer_type(tl.float32)) + r) * col
+    elif QUANT:
+        if BITS == 8:
+            code = tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.uint8)), 16) + e).to(tl.int32)
+            x = tl.load(values + code)
+        else:
+            words = tl.multiple_of(codes.to(tl.pointer_type(tl.uint16)), 8)
+            word = tl.load(words + start // RUN + tl.max_contiguous(tl.arange(0, e.shape[0] // RUN), 1))
+            x = _decode_words(word.to(tl.int32), values, RUN)
+        maxima = scales.to(tl.pointer_type(tl.float32))
+        if SCALE == RANK1:
+            return x * tl.minimum(tl.load(maxima + r), col)
+        else:
+            return x * tl.load(maxima + start // QBLOCK)
+    else:
+        return tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.float32)), 16) + e)
+
+
+@triton.jit
+def _strip_columns(row, K: tl.constexpr, c, rows, cols, QUANT: tl.constexpr, SCALE: tl.constexpr):
+    """What :func:`_row_state` takes of state ``K``'s columns at ``c``: its old column maxima (rank-1), its columns over
+    their mean (factored: they follow its row means), else ones (unused)."""
+    if QUANT and SCALE == RANK1:
+        return tl.load(tl.load(row + 2 + 2 * K).to(tl.pointer_type(tl.float32)) + rows + c)
+    elif QUANT and SCALE == FACTORED:
+        return tl.load(tl.load(row + 1 + 2 * K).to(tl.pointer_type(tl.float32)) + c)
+    else:
+        return tl.full(c.shape, 1.0, tl.float32)
+
+
+@triton.jit
+def _fold_row(x, acc, new, r, SCALE: tl.constexpr):
+    """:func:`_fold` on one row of an ALIGNED tile: the row's statistic one scalar atomic, the columns' kept per
+    element in ``acc`` (no reduction across threads)."""
+    if SCALE == FACTORED:
+        v = factored_part(x, tl.full(x.shape, 1, tl.int1))
+        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=0), sem="relaxed")
+        acc = acc + v
+    else:
+        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        bits = tl.where(bits < 0x7F800000, bits, 0)
+        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=0), sem="relaxed")
+        acc = tl.maximum(acc, bits)
+    return acc
+
+
+@triton.jit
 def _col_maxima(row, K: tl.constexpr, c, c_ok, rows, QUANT: tl.constexpr, SCALE: tl.constexpr):
     """State ``K``'s old column maxima at columns ``c`` where its scales are rank-1 (else ones, unused)."""
     if QUANT and SCALE == RANK1:
@@ -166,6 +240,85 @@ def _columns_zero(c, SCALE: tl.constexpr):
 
 
 @triton.jit
+def _rows_of_strip(
+    row,
+    info,
+    p_base,
+    g_base,
+    cf,
+    s0_values,
+    s1_values,
+    s2_values,
+    first_row,
+    n_rows,
+    rows,
+    cols,
+    c0,
+    local,
+    UPDATE: tl.constexpr,
+    OPTION: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    PTX: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    N_STATES: tl.constexpr,
+    S0_QUANT: tl.constexpr,
+    S0_BITS: tl.constexpr,
+    S0_SCALE: tl.constexpr,
+    S1_QUANT: tl.constexpr,
+    S1_BITS: tl.constexpr,
+    S1_SCALE: tl.constexpr,
+    S2_QUANT: tl.constexpr,
+    S2_BITS: tl.constexpr,
+    S2_SCALE: tl.constexpr,
+):
+    """The ALIGNED strip of :func:`rank1_stats_kernel`: its ``n_rows`` rows from ``first_row``, at columns ``c0 +
+    local`` (``local``: runs of :data:`RUN`; every column inside the matrix), each row a vector of the tile's columns,
+    the loop unrolled ``ROWS`` times (the rows' loads issued together). The columns' statistics stay per element in
+    registers until the strip's end."""
+    c = c0 + local
+    col0 = _strip_columns(row, 0, c, rows, cols, S0_QUANT, S0_SCALE)
+    col1 = _strip_columns(row, 1, c, rows, cols, S1_QUANT, S1_SCALE)
+    col2 = _strip_columns(row, 2, c, rows, cols, S2_QUANT, S2_SCALE)
+    acc0, acc1, acc2 = _columns_zero(c, S0_SCALE), _columns_zero(c, S1_SCALE), _columns_zero(c, S2_SCALE)
+    # the states' addresses and their new statistics' (loaded once: in the loop, behind the atomics, they were loaded
+    # again every row, and each row's loads waited on them)
+    codes0, scales0, new0 = tl.load(row + 1), tl.load(row + 2), tl.load(info + 1)
+    codes1, scales1, new1 = tl.load(row + 3), tl.load(row + 4), tl.load(info + 2)
+    codes2, scales2, new2 = tl.load(row + 5), tl.load(row + 6), tl.load(info + 3)
+    for r in tl.range(first_row, first_row + n_rows, loop_unroll_factor=ROWS):
+        start = r * cols + c0
+        e = start + local
+        p = tl.load(p_base + e).to(tl.float32)
+        g = tl.load(g_base + e).to(tl.float32)
+        if MAXIMIZE:
+            g = -g
+        s0 = _row_state(codes0, scales0, s0_values, e, start, r, col0, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
+        if N_STATES == 1:
+            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+        else:
+            s1 = _row_state(codes1, scales1, s1_values, e, start, r, col1, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
+            if N_STATES == 2:
+                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+            else:
+                s2 = _row_state(codes2, scales2, s2_values, e, start, r, col2, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
+                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+                if S2_SCALE:
+                    acc2 = _fold_row(s2, acc2, new2, r, S2_SCALE)
+            if S1_SCALE:
+                acc1 = _fold_row(s1, acc1, new1, r, S1_SCALE)
+        if S0_SCALE:
+            acc0 = _fold_row(s0, acc0, new0, r, S0_SCALE)
+    c_ok = c < cols
+    if S0_SCALE:
+        _fold_columns(acc0, new0, rows, c, c_ok, S0_SCALE)
+    if S1_SCALE:
+        _fold_columns(acc1, new1, rows, c, c_ok, S1_SCALE)
+    if S2_SCALE:
+        _fold_columns(acc2, new2, rows, c, c_ok, S2_SCALE)
+
+
+@triton.jit
 def rank1_stats_kernel(
     ptrs,  # int64 (n_tensors, 1 + 2 * N_STATES): adam_kernel's (or momentum_kernel's) pointer table
     grad_ptrs,  # int64 (n_tensors,)
@@ -189,6 +342,7 @@ def rank1_stats_kernel(
     ROWS: tl.constexpr,  # the tile (stats_tile)
     COLS: tl.constexpr,
     STRIP: tl.constexpr,  # tiles a program walks down its column of tiles
+    ROWWISE: tl.constexpr,  # under ALIGNED, a tile read row by row (_row_state): COLS = 32 x RUN x warps
     N_STATES: tl.constexpr,
     N_COEFS: tl.constexpr,
     S0_QUANT: tl.constexpr,
@@ -217,11 +371,45 @@ def rank1_stats_kernel(
         cols = tl.multiple_of(cols, COLS)
         p_base, g_base = tl.multiple_of(p_base, 16), tl.multiple_of(g_base, 16)
     cf = _load_row(coefs + t * N_COEFS, N_COEFS)
+    row_tile = first // per_row
+    if ALIGNED and ROWWISE:
+        _rows_of_strip(
+            row,
+            info,
+            p_base,
+            g_base,
+            cf,
+            s0_values,
+            s1_values,
+            s2_values,
+            row_tile * ROWS,
+            tl.minimum(STRIP * ROWS, rows - row_tile * ROWS),
+            rows,
+            cols,
+            (first % per_row).to(tl.int64) * COLS,
+            tile_offsets(COLS, RUN),
+            UPDATE,
+            OPTION,
+            MAXIMIZE,
+            PTX,
+            QBLOCK,
+            ROWS,
+            N_STATES,
+            S0_QUANT,
+            S0_BITS,
+            S0_SCALE,
+            S1_QUANT,
+            S1_BITS,
+            S1_SCALE,
+            S2_QUANT,
+            S2_BITS,
+            S2_SCALE,
+        )
+        return
     col0 = _col_maxima(row, 0, c, c_ok, rows, S0_QUANT, S0_SCALE)
     col1 = _col_maxima(row, 1, c, c_ok, rows, S1_QUANT, S1_SCALE)
     col2 = _col_maxima(row, 2, c, c_ok, rows, S2_QUANT, S2_SCALE)
     acc0, acc1, acc2 = _columns_zero(c, S0_SCALE), _columns_zero(c, S1_SCALE), _columns_zero(c, S2_SCALE)
-    row_tile = first // per_row
     for i in range(0, tl.minimum(STRIP, tl.cdiv(rows, ROWS) - row_tile)):  # the strip's tiles, none past the rows
         r = (row_tile + i).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         r_ok = r < rows

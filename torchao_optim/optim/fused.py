@@ -317,6 +317,7 @@ class GroupPlan:
         )
         self.rank1 = None  # the Triton kernels' tables for rank-1 scales (_plan_rank1)
         self.fold_sums = False  # factored sums taken in the step kernel (_plan_rank1)
+        self.row_tiles = 0  # rank-1 scales read by whole rows' tiles in the step kernel (_plan_rank1: 1 or 2)
         if self.executor == "triton" and any(r is not None for r in self.rows):
             self._plan_rank1(shards, states, device)
         # the caps were measured on the two-state kernel; the one- and three-state ones take the compiler's choice
@@ -372,14 +373,23 @@ class GroupPlan:
         n_states = len(self.layouts)
         factored = [layout.scale == "factored" for layout in self.layouts]
         n_rank1 = sum(r is not None and not f for r, f in zip(per_state, factored))
-        self.maxima = torch.zeros((sum(rows) + sum(cols)) * n_rank1, device=device)
+        # a rank-1 plan whose rows are whole step tiles: its step reads each tile's row and columns directly, and the
+        # reciprocals of the new maxima (each matrix's maxima followed by theirs: rank1_inverses) instead of dividing
+        self.row_tiles = int(n_rank1 > 0 and n_states in (2, 3) and all(c % self.tile == 0 for c in cols))
+        host = self.ptrs.cpu()
+        scales_at = [a for k in range(n_states) if per_state[k] is not None for a in host[:, 2 + 2 * k].tolist()]
+        if self.row_tiles and all(r % 4 == 0 for r in rows) and all(a % 16 == 0 for a in scales_at):
+            self.row_tiles = 2  # every matrix's columns' maxima (and their reciprocals) at 16-byte boundaries
+        spread = 2 if self.row_tiles else 1
+        self.maxima = torch.zeros((sum(rows) + sum(cols)) * n_rank1 * spread, device=device)
         self.sums = torch.zeros((sum(rows) + sum(cols)) * sum(factored), dtype=torch.float64, device=device)
         divisors = torch.empty_like(self.sums)
         # each factored matrix's columns over their mean, at 16-byte boundaries (the kernels' codes addresses are)
         spans = [-(-c // 4) * 4 for c in cols]
         self.columns = torch.zeros(sum(spans) * sum(factored), device=device)
-        table, ptrs, self.stats_into, self.stats_from, column_rows = [], self.ptrs.cpu(), [], [], []
+        table, ptrs, self.stats_into, self.stats_from, column_rows = [], host, [], [], []
         at_max = at_sum = at_col = 0
+        inverse_at = []  # where each rank-1 state's maxima start (their reciprocals follow them with row_tiles)
         for t, state in enumerate(states):
             r, c = rows[t], cols[t]
             entry = [r] + [0] * n_states
@@ -401,9 +411,15 @@ class GroupPlan:
                     entry[1 + k] = new.data_ptr()
                     self.stats_into.append(getattr(x, self.layouts[k].scales))
                     self.stats_from.append(new)
-                    at_max += r + c
+                    inverse_at.append(at_max)
+                    at_max += (r + c) * spread
             table.append(entry)
         self.divisors = divisors
+        if self.row_tiles:  # positions of every new maximum, and of its reciprocal (rows + cols further on)
+            lengths = torch.tensor([r + c for r, c in zip(rows, cols) for _ in range(n_rank1)])
+            src = torch.cat([torch.arange(at, at + n) for at, n in zip(inverse_at, lengths.tolist())])
+            self.inverse_src = src.to(device)
+            self.inverse_dst = (src + torch.repeat_interleave(lengths, lengths)).to(device)
         # (column means, their columns over their mean, column count) per factored matrix: normalize_columns' table
         self.column_table = torch.tensor(column_rows, dtype=torch.int64).to(device) if column_rows else None
         self.means = torch.empty(self.sums.shape, device=device)
@@ -425,6 +441,16 @@ class GroupPlan:
                     numels, rows, self.stats_tile_shape.rows, tile_cols, self.stats_tile_shape.strip
                 )
             )
+
+    def rank1_inverses(self) -> None:
+        """With ``row_tiles``, after the first pass: each new maximum's reciprocal as a tile's encoding takes it
+        (``quant.blockwise.lifted_reciprocal``, as ``FourBitRank1Tensor`` takes it of each element's scale), written
+        after its matrix's maxima. An element's scale is the smaller of its row's and column's maxima, so its
+        reciprocal is the reciprocal of that one: the step selects it, bit for bit the division it spares."""
+        if self.row_tiles:
+            from torchao_optim.quant.blockwise import lifted_reciprocal
+
+            self.maxima[self.inverse_dst] = lifted_reciprocal(self.maxima[self.inverse_src])[1]
 
     def normalize_columns(self) -> None:
         """Each factored matrix's column means over their mean into ``columns``, which the kernels read in place of

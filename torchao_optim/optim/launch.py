@@ -149,6 +149,7 @@ def _run_two_or_three_states(plan, hyperparams: Tensor, option: bool, maximize: 
         M_SCALE=rank1[0],
         V_SCALE=rank1[1],
         FOLD=plan.fold_sums,
+        ROW_TILES=plan.row_tiles,
         **third,
         num_warps=plan.num_warps,
         **({"maxnreg": plan.maxnreg} if plan.maxnreg else {}),
@@ -205,11 +206,13 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         ROWS=plan.stats_tile_shape.rows,
         COLS=plan.stats_tile_shape.cols,
         STRIP=plan.stats_tile_shape.strip,
+        ROWWISE=plan.stats_tile_shape.rowwise,
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
         num_warps=plan.stats_tile_shape.warps,
     )
+    plan.rank1_inverses()
     return rank1
 
 

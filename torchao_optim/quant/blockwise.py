@@ -94,6 +94,14 @@ def codebook_tensor(values: Sequence[float], like: torch.Tensor) -> torch.Tensor
 TINY = 2.0**-126  # the smallest normal fp32: below it an absmax's reciprocal may overflow
 
 
+def lifted_reciprocal(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lift, inv)`` of each scale: a value over it is ``x * lift * inv``. ``lift`` is 2**64 where the scale is
+    subnormal (its reciprocal would overflow; exact: a power of two), else 1; ``inv`` the correctly rounded reciprocal
+    of ``scale * lift`` (1 for a zero scale, whose values are all 0)."""
+    lift = torch.where(scale < TINY, 2.0**64, 1.0)
+    return lift, 1.0 / torch.where(scale > 0, scale * lift, 1.0)
+
+
 def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
     """``x * (1 / absmax)`` of its block, flat fp32 in [-1, 1]; NaN becomes 0, +/-Inf becomes +/-1.
 
@@ -102,8 +110,7 @@ def normalize(x: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.T
     (exact: a power of two), which leaves every other block's arithmetic as it is.
     """
     blocks = as_blocks(x.float(), block_size)  # (n_blocks, block_size)
-    lift = torch.where(absmax < TINY, 2.0**64, 1.0)  # (n_blocks,)
-    inv = 1.0 / torch.where(absmax > 0, absmax * lift, 1.0)
+    lift, inv = lifted_reciprocal(absmax)  # (n_blocks,)
     y = (blocks * lift[:, None] * inv[:, None]).reshape(-1)
     if not _is_blocks(x, block_size):
         y = y[: x.numel()]

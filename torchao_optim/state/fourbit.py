@@ -39,7 +39,7 @@ from typing import ClassVar
 import torch
 
 from torchao_optim.quant import dynamic_map_values, pack_nibbles, quantize_nearest, unpack_nibbles
-from torchao_optim.quant.blockwise import TINY, codebook_tensor
+from torchao_optim.quant.blockwise import codebook_tensor, lifted_reciprocal
 from torchao_optim.state.base import _OPS, QuantizedState, _copy_, _slice, _slice_bound, aten
 from torchao_optim.state.codebook import CodebookState
 from torchao_optim.state.layout import StateLayout
@@ -199,8 +199,8 @@ class FourBitRank1Tensor(RowScaled, FourBitTensor):
         row_max = matrix.amax(dim=1)  # (rows,)
         col_max = matrix.amax(dim=0) if columns is None else columns  # (cols,)
         scale = _element_scales(row_max, col_max, x)
-        lift = torch.where(scale < TINY, 2.0**64, 1.0)  # as quant.blockwise.normalize: a subnormal scale
-        y = x * lift * (1.0 / torch.where(scale > 0, scale * lift, 1.0))
+        lift, inv = lifted_reciprocal(scale)  # as quant.blockwise.normalize: a subnormal scale lifted
+        y = x * lift * inv
         y = torch.where(torch.isnan(y), 0.0, y).clamp(-1.0, 1.0).reshape(-1)
         codes = quantize_nearest(y, layout.codebook, layout.never_zero)
         return {layout.codes: pack_nibbles(codes), layout.scales: torch.cat([row_max, col_max])}
