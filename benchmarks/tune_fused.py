@@ -76,7 +76,7 @@ def main():
     bandwidth = copy_bandwidth("cuda")
     floor = None
     configs = [
-        (i, bool(int(f)), w, r, t, d, b, fr, st)
+        (i, bool(int(f)), w, r, t, d, b, fr, st, sr)
         for i in map(int, args.iters.split(","))
         for f in args.prefetch.split(",")
         for w in map(int, args.warps.split(","))

@@ -14,7 +14,12 @@ this pass. A plan of two or three states whose only matrix scales are factored, 
 no first pass: its step kernel takes the sums (``adam_kernel``'s ``FOLD``).
 
 Elements are addressed one by one (row times ``cols`` plus column), each state decoded as ``triton_codec`` decodes
-it: a code's value times its scale, the same product the step kernel takes.
+it: a code's value times its scale, the same product the step kernel takes. Where every row of the plan's matrices
+starts a tile at 16-byte boundaries (``ALIGNED``) and the tile is read row by row (``ROWWISE``, rank-1 plans), a
+program instead walks its strip one row at a time (:func:`_rows_of_strip`): each thread a run of :data:`RUN` columns
+of every array, its 4-bit codes one word decoded in its registers, each row's maximum one warp reduction and one
+atomic, the columns' maxima kept per thread until the strip's end. A 2-D tile there gave the gradient, the codes and
+the decoded values different register layouts, and every element moved between them through shared memory.
 This module imports Triton; import it only where Triton is available.
 """
 
@@ -36,12 +41,13 @@ RUN = tl.constexpr(4)
 
 
 # A program reads one small tile: few values a thread, so many programs an SM (larger tiles held so many registers
-# that occupancy, not bandwidth, bounded the pass). Rank-1 maxima take the tile of 2 x 128 with one warp (reductions
-# with no shared memory between warps); factored sums, whose decode is one product of two vectors, the tile of
-# 8 x 128 with four warps. Each is the fastest of a sweep on an H100 (benchmarks/README.md, "Rank-1 scales on the
-# Triton kernels"): (rows, columns, warps) by a plan's kind of matrix scales. A rank-1 program walks a strip of 64
-# tiles down its column of tiles (TinyLlama, fp32 parameters: 9.78 ms a step against 11.12 with one tile a program,
-# bf16 8.45 against 9.14); factored sums were slower in strips (9.42 ms with one tile, 9.67-10.10 with 4 or 16).
+# that occupancy, not bandwidth, bounded the pass). Rank-1 maxima take a tile of 128 columns with one warp (reductions
+# with no shared memory between warps), read row by row where the plan is ALIGNED; factored sums, whose decode is one
+# product of two vectors, the tile of 8 x 128 with four warps. Each is the fastest of a sweep on an H100
+# (benchmarks/README.md, "Rank-1 scales on the Triton kernels"): (rows, columns, warps) by a plan's kind of matrix
+# scales. A rank-1 program walks a strip of 32 tiles of 4 rows down its column of tiles, its row loop unrolled 4 times
+# (TinyLlama, bf16 parameters: 5.64 ms a step against 6.38 with tiles of 2 rows and 6.96 with 8, strips of 16 to 64
+# within 1%); factored sums were slower in strips (9.42 ms with one tile, 9.67-10.10 with 4 or 16).
 class StatsTile(NamedTuple):
     rows: int
     cols: int
@@ -50,7 +56,7 @@ class StatsTile(NamedTuple):
     rowwise: bool = False  # where a plan is ALIGNED, a tile read row by row, one run of RUN columns a thread
 
 
-STATS_TILES = {"rank1": StatsTile(2, 128, 1, 64, rowwise=True), "factored": StatsTile(8, 128, 4)}
+STATS_TILES = {"rank1": StatsTile(4, 128, 1, 32, rowwise=True), "factored": StatsTile(8, 128, 4)}
 
 
 def stats_tile(scales) -> StatsTile:
