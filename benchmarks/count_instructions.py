@@ -12,6 +12,8 @@ unset: the interpreter never compiles).
     python benchmarks/count_instructions.py                          # dtq8-like: 8-bit codes, fp32 params
     python benchmarks/count_instructions.py --bits 4 --block 128 --dtype bf16
     python benchmarks/count_instructions.py --rule ademamix          # the three-state form (N_STATES=3)
+    python benchmarks/count_instructions.py --bits 4 --block 128 --rank1 --dtype bf16   # "4bit_rank1"'s step
+    python benchmarks/count_instructions.py --kernel stats --dtype bf16  # and its first pass (rank1_stats_kernel)
 """
 
 from __future__ import annotations
@@ -150,6 +152,58 @@ def compile_adam(
     return compiled, max(block, MIN_TILE) // (32 * num_warps)
 
 
+def compile_stats(dtype: str, arch: int = 90):
+    """``rank1_stats_kernel`` compiled as a ``"4bit_rank1"`` plan of Adam launches it where its matrices are aligned
+    (TinyLlama's are): 4-bit codes for both states, ``exp_avg_sq``'s scales rank-1, the tile, strip and row-by-row
+    reading of ``kernels.triton_rank1.STATS_TILES``. Returns it and the elements a thread reads per iteration of its
+    main loop (the row loop unrolled once per row of the tile, a run of ``RUN`` columns a row)."""
+    import triton.language as tl
+
+    from torchao_optim.kernels.triton_rank1 import RUN, STATS_TILES, rank1_stats_kernel
+    from torchao_optim.rules import BUILT_IN_RULES
+
+    rule = next(r for r in BUILT_IN_RULES if r.name == "adam")
+    tile = STATS_TILES["rank1"]
+    signature = {
+        "ptrs": "*i64",
+        "grad_ptrs": "*i64",
+        "numels": "*i64",
+        "coefs": "*fp32",
+        "rank1": "*i64",
+        "prog_tensor": "*i32",
+        "prog_tile": "*i32",
+        "s0_values": "*fp32",
+        "s1_values": "*fp32",
+    }
+    param = {"fp32": tl.float32, "bf16": tl.bfloat16}[dtype]
+    constants = dict(
+        s2_values=None,
+        PARAM_DTYPE=param,
+        GRAD_DTYPE=param,
+        QBLOCK=128,
+        UPDATE=rule.triton_update(),
+        OPTION=True,
+        MAXIMIZE=False,
+        PTX=True,
+        ALIGNED=True,
+        ROWS=tile.rows,
+        COLS=tile.cols,
+        STRIP=tile.strip,
+        ROWWISE=tile.rowwise,
+        N_STATES=2,
+        N_COEFS=rule.n_coefs,
+        S0_QUANT=True,
+        S0_BITS=4,
+        S0_SCALE=0,
+        S1_QUANT=True,
+        S1_BITS=4,
+        S1_SCALE=1,
+    )
+    compiled = compile_kernel(rank1_stats_kernel, signature, constants, arch, tile.warps)
+    per_thread = tile.rows * RUN.value if tile.rowwise else tile.rows * tile.cols // (32 * tile.warps)
+    return compiled, per_thread
+
+
 def _tool(name: str, cubin: bytes, *flags: str) -> str:
     """The output of one of the CUDA binary tools Triton bundles, run on ``cubin``."""
     import triton
@@ -195,9 +249,16 @@ def count(
     num_warps: int = 1,
     maxnreg: str = "auto",
     rule: str = "adam",
+    rank1: bool = False,
+    kernel: str = "adam",
 ) -> dict:
-    """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack."""
-    compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg, rule)
+    """The main loop's figures for one configuration: instructions, per element, by opcode; registers, stack.
+    ``rank1``: the second state's scales rank-1 (``adam_kernel``); ``kernel`` ``"stats"``: the rank-1 first pass
+    (:func:`compile_stats`) instead of ``adam_kernel``."""
+    if kernel == "stats":
+        compiled, per_thread = compile_stats(dtype, arch)
+    else:
+        compiled, per_thread = compile_adam(dtype, bits, block, arch, num_warps, maxnreg, rule, rank1=int(rank1))
     cubin = compiled.asm["cubin"]
     loop = main_loop(_tool("nvdisasm", cubin, "-c"))
     usage = re.search(r"REG:(\d+).*?STACK:(\d+)", _tool("cuobjdump", cubin, "--dump-resource-usage"))
@@ -205,6 +266,8 @@ def count(
     # global loads and stores of single bytes: a thread's codes are 4 or 8 contiguous bytes, one access when the
     # compiler can prove the mask the same for all of them
     byte_accesses = sum(1 for t in loop if re.search(r"\b[LS]TG\.E\.U8\b", t))
+    # shared memory and barriers: what moving values between register layouts costs
+    shared = sum(opcodes[op] for op in ("STS", "LDS", "BAR"))
     return dict(
         instructions=len(loop),
         per_thread=per_thread,
@@ -213,6 +276,7 @@ def count(
         registers=int(usage.group(1)),
         stack_bytes=int(usage.group(2)),
         byte_accesses=byte_accesses,
+        shared=shared,
     )
 
 
@@ -239,21 +303,33 @@ def main():
         help="the one-load encoder (codec.flat_keyed) for codebooks needing at most this many mantissa "
         "bits per exponent (default: kernels.tables.FLAT_MAX_BITS; 0: two loads always; 7: dtq8 too)",
     )
+    ap.add_argument("--rank1", action="store_true", help="the second state's scales rank-1 (\"4bit_rank1\"'s)")
+    ap.add_argument(
+        "--kernel", default="adam", choices=["adam", "stats"], help="stats: the rank-1 first pass (rank1_stats_kernel)"
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
     if args.flat_bits is not None:
         import torchao_optim.kernels.tables as tables
 
         tables.FLAT_MAX_BITS = args.flat_bits
-    c = count(args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg, args.rule)
+    c = count(
+        args.dtype, args.bits, args.block, args.arch, args.warps, args.maxnreg, args.rule, args.rank1, args.kernel
+    )
     if args.json:
         print(json.dumps(c))
         return
     rule = "" if args.rule == "adam" else f" ({args.rule}'s update)"
+    what = (
+        f'rank1_stats_kernel ("4bit_rank1"\'s first pass), {args.dtype} params'
+        if args.kernel == "stats"
+        else f"adam_kernel{rule}, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}"
+        + (", rank-1 scales" if args.rank1 else "")
+    )
     print(
-        f"adam_kernel{rule}, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}, sm_{args.arch}: "
-        f"{c['registers']} registers, {c['stack_bytes']} bytes of stack, {c['byte_accesses']} single-byte "
-        f"global loads and stores in the loop"
+        f"{what}, sm_{args.arch}: {c['registers']} registers, {c['stack_bytes']} bytes of stack, "
+        f"{c['byte_accesses']} single-byte global loads and stores and {c['shared']} shared-memory accesses and "
+        f"barriers in the loop"
     )
     print(
         f"main loop: {c['instructions']} instructions for {c['per_thread']} elements per thread, "
