@@ -156,7 +156,7 @@ def compile_stats(dtype: str, arch: int = 90):
     """``rank1_stats_kernel`` compiled as a ``"4bit_rank1"`` plan of Adam launches it where its matrices are aligned
     (TinyLlama's are): 4-bit codes for both states, ``exp_avg_sq``'s scales rank-1, the tile, strip and row-by-row
     reading of ``kernels.triton_rank1.STATS_TILES``. Returns it and the elements a thread reads per iteration of its
-    main loop (the row loop unrolled once per row of the tile, a run of ``RUN`` columns a row)."""
+    main loop (the row loop unrolled once per row of the tile, ``RUN`` contiguous columns a row)."""
     import triton.language as tl
 
     from torchao_optim.kernels.triton_rank1 import RUN, STATS_TILES, rank1_stats_kernel

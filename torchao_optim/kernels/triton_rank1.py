@@ -171,12 +171,10 @@ def _row_state(
 def _strip_columns(row, K: tl.constexpr, c, rows, cols, QUANT: tl.constexpr, SCALE: tl.constexpr):
     """What :func:`_row_state` takes of state ``K``'s columns at ``c``: its old column maxima (rank-1), its columns over
     their mean (factored: they follow its row means), else ones (unused)."""
-    if QUANT and SCALE == RANK1:
-        return tl.load(tl.load(row + 2 + 2 * K).to(tl.pointer_type(tl.float32)) + rows + c)
-    elif QUANT and SCALE == FACTORED:
+    if QUANT and SCALE == FACTORED:
         return tl.load(tl.load(row + 1 + 2 * K).to(tl.pointer_type(tl.float32)) + c)
     else:
-        return tl.full(c.shape, 1.0, tl.float32)
+        return _col_maxima(row, K, c, c < cols, rows, QUANT, SCALE)
 
 
 @triton.jit
@@ -188,8 +186,7 @@ def _fold_row(x, acc, new, r, SCALE: tl.constexpr):
         tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=0), sem="relaxed")
         acc = acc + v
     else:
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        bits = tl.where(bits < 0x7F800000, bits, 0)
+        bits = _magnitude_bits(x, tl.full(x.shape, 1, tl.int1))
         tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=0), sem="relaxed")
         acc = tl.maximum(acc, bits)
     return acc
@@ -207,6 +204,14 @@ def _col_maxima(row, K: tl.constexpr, c, c_ok, rows, QUANT: tl.constexpr, SCALE:
 
 
 @triton.jit
+def _magnitude_bits(x, mask):
+    """What a rank-1 state's maxima count of its new values ``x``: ``where(mask & isfinite(x), |x|, 0)`` as int32
+    patterns (non-negative floats order as their bits, so an integer maximum is theirs)."""
+    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    return tl.where(mask & (bits < 0x7F800000), bits, 0)
+
+
+@triton.jit
 def _fold(x, mask, acc, new, r, r_ok, SCALE: tl.constexpr):
     """Fold a tile's new values of a state into its statistics: its rows' at ``new`` (one atomic per row) and its
     columns' into ``acc``, the strip's (returned; :func:`_fold_columns` stores them). Rank-1: the maxima of
@@ -219,8 +224,7 @@ def _fold(x, mask, acc, new, r, r_ok, SCALE: tl.constexpr):
         tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=1), mask=r_ok, sem="relaxed")
         acc = acc + tl.sum(v, axis=0)
     else:
-        bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        bits = tl.where(mask & (bits < 0x7F800000), bits, 0)
+        bits = _magnitude_bits(x, mask)
         tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=1), mask=r_ok, sem="relaxed")
         acc = tl.maximum(acc, tl.max(bits, axis=0))
     return acc
