@@ -4,7 +4,7 @@
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
 # rank-1 and factored scales, "targets" times every new rule and matrix-scale format against its floor, "rank1_ncu"
-# profiles the rank-1 step's two kernels, "muon" Muon8bit's fused momentum against its compiled path; the
+# profiles the rank-1 step's two kernels, "rule_caps" times register caps of RMSprop's kernels, "muon" Muon8bit's fused momentum against its compiled path; the
 # memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
@@ -86,14 +86,25 @@ if has targets; then
         --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4,AdEMAMix8bit,AdamW8bitAmsgrad,RMSpropCentered8bit,RMSpropCenteredNoMomentum8bit,RMSprop8bit,Adagrad8bit \
         2>&1 | tee "$OUT/targets/step.txt"
 fi
-# Where "4bit_rank1"'s step goes: the first pass's strips timed (1, 16, 64 tiles a program), then Nsight Compute on
+# Where "4bit_rank1"'s step goes: register caps of the step kernel and of the first pass timed, then Nsight Compute on
 # its two kernels (first pass and step) with bf16 parameters, with the source view's stall samples, under
 # $OUT/rank1_ncu.
+# Register caps of the rules whose updates hold the most registers (RMSprop with momentum, two states, and centered
+# with momentum, three), under $OUT/rule_caps.
+if has rule_caps; then
+    mkdir -p "$OUT/rule_caps"
+    for dtype in bf16 fp32; do
+        for optim in RMSpropCentered8bit RMSprop8bit; do
+            python benchmarks/tune_fused.py --optim "$optim" --dtype "$dtype" --iters 8 --prefetch 1 --warps 1 \
+                --maxnreg 0,96,112,128 --steps 10 2>&1 | tee "$OUT/rule_caps/${optim}_$dtype.txt"
+        done
+    done
+fi
 if has rank1_ncu; then
     mkdir -p "$OUT/rank1_ncu"
     for dtype in fp32 bf16; do
         python benchmarks/tune_fused.py --state-format 4bit_rank1 --dtype "$dtype" --iters 8 --prefetch 1 --warps 1 \
-            --stats-strip 1,16,64 --steps 10 2>&1 | tee "$OUT/rank1_ncu/strips_$dtype.txt"
+            --maxnreg 0,96,112 --stats-maxnreg 0,64,48 --steps 10 2>&1 | tee "$OUT/rank1_ncu/caps_$dtype.txt"
     done
     if command -v ncu >/dev/null; then
         ncu --set full --import-source yes --clock-control none --kernel-name regex:"rank1_stats_kernel|adam_kernel" \

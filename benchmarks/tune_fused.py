@@ -4,7 +4,11 @@ TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS, FOLD_ROWS), registers and spills.
     python benchmarks/tune_fused.py --geometry llama_1b --dtype fp32 --iters 1,4,8 --prefetch 0,1 --warps 2,4
     python benchmarks/tune_fused.py --geometry vit_b --dtype bf16 --iters 8 --prefetch 1 --warps 1 --tail 0,32,64
     python benchmarks/tune_fused.py --state-format factored --iters 8 --prefetch 1 --warps 1 --fold-rows 0,8,32
-"""
+    python benchmarks/tune_fused.py --optim RMSpropCentered8bit --dtype bf16 --iters 8 --prefetch 1 --warps 1 \
+        --maxnreg 0,112,128
+
+``--optim`` names any fused optimizer of ``benchmarks/optimizers.py`` (default: torchao_optim.AdamW with
+``--state-format``)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchmark_step import GEOMETRIES, copy_bandwidth, draw_params, floor_bytes, step_times, warm_up  # noqa: E402
-from optimizers import state_nbytes  # noqa: E402
+from optimizers import build, state_nbytes  # noqa: E402
 
 import torchao_optim  # noqa: E402
 import torchao_optim.kernels.tables as tables  # noqa: E402
@@ -30,6 +34,7 @@ def main():
     ap.add_argument("--geometry", default="llama_1b")
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--state-format", default="dtq8")
+    ap.add_argument("--optim", default=None, help="an optimizer of benchmarks/optimizers.py instead of AdamW")
     ap.add_argument("--iters", default="1,4,8,16")
     ap.add_argument("--prefetch", default="0,1")
     ap.add_argument("--warps", default="2,4")
@@ -68,6 +73,11 @@ def main():
         help="scales over a matrix: rows of a first-pass tile, every kind (auto: kernels.triton_rank1.STATS_TILES' "
         "own; rank-1 aligned rows are read one at a time, the loop unrolled this many times)",
     )
+    ap.add_argument(
+        "--stats-maxnreg",
+        default="auto",
+        help="scales over a matrix: the first pass's register cap (auto: STATS_TILES' own; 0: none)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     args = ap.parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -87,13 +97,15 @@ def main():
         for fr in map(int, args.fold_rows.split(","))
         for st in args.stats_strip.split(",")
         for sr in args.stats_rows.split(",")
+        for sm in args.stats_maxnreg.split(",")
     ]
     tiles = dict(triton_rank1.STATS_TILES)
-    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip, stats_rows in configs:
+    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip, stats_rows, stats_cap in configs:
         triton_rank1.STATS_TILES = {
             kind: tile._replace(
                 strip=tile.strip if strip == "auto" else int(strip),
                 rows=tile.rows if stats_rows == "auto" else int(stats_rows),
+                maxnreg=tile.maxnreg if stats_cap == "auto" else (int(stats_cap) or None),
             )
             for kind, tile in tiles.items()
         }
@@ -101,16 +113,19 @@ def main():
         fused.FOLD_ROWS = fold_rows
         fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
         fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
-        opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
+        if args.optim:
+            opt = build(args.optim, params)
+        else:
+            opt = torchao_optim.AdamW(params, state_format=args.state_format, fused=True)
         warm_up(opt.step)  # as benchmark_step.py: the clocks rise under load
         if floor is None:  # the format's own bytes moved, over the copy bandwidth
             floor = floor_bytes(n_params, dtype.itemsize, state_nbytes(opt)) / bandwidth * 1e3
-            print(f"# {args.geometry} {args.dtype} {args.state_format}: floor {floor:.3f} ms")
+            print(f"# {args.geometry} {args.dtype} {args.optim or args.state_format}: floor {floor:.3f} ms")
             print(
                 "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | pass strip | pass rows "
-                "| step ms | x floor | host ms | regs | spills |"
+                "| pass maxnreg | step ms | x floor | host ms | regs | spills |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
@@ -121,6 +136,7 @@ def main():
             f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
             f"| {fold_rows if big.fold_sums else '-'} | {big.stats_tile_shape.strip if first_pass else '-'} "
             f"| {big.stats_tile_shape.rows if first_pass else '-'} "
+            f"| {(big.stats_tile_shape.maxnreg or '-') if first_pass else '-'} "
             f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )

@@ -54,6 +54,7 @@ class StatsTile(NamedTuple):
     warps: int
     strip: int = 1  # tiles a program walks down a column of tiles, its column statistics kept in registers
     rowwise: bool = False  # where a plan is ALIGNED, a tile read row by row, one run of RUN columns a thread
+    maxnreg: int | None = None  # the pass's register cap (None: the compiler's choice)
 
 
 STATS_TILES = {"rank1": StatsTile(4, 128, 1, 32, rowwise=True), "factored": StatsTile(8, 128, 4)}

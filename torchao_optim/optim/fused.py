@@ -47,7 +47,7 @@ PREFETCH = True  # issue the next tile's loads before computing the current one
 # update.
 PDL = True
 NUM_WARPS = 1  # one warp per 256-element tile: a block's absmax is a warp reduction, no shared memory
-MAXNREG = None  # where set, the register cap of every two-state kernel instead of REGISTER_CAPS' (0: none)
+MAXNREG = None  # where set, the register cap of every two- and three-state kernel instead of REGISTER_CAPS' (0: none)
 # Register caps per thread for adam_kernel, by (bits per code, parameter bytes): ptxas's own choice (96 registers for
 # these) leaves fewer warps per SM to hide the latency of the table loads. Measured on an H200 with
 # benchmarks/tune_fused.py, TinyLlama geometry (the figures are in benchmarks/README.md): 8-bit
@@ -320,9 +320,12 @@ class GroupPlan:
         self.row_tiles = 0  # rank-1 scales read by whole rows' tiles in the step kernel (_plan_rank1: 1 or 2)
         if self.executor == "triton" and any(r is not None for r in self.rows):
             self._plan_rank1(shards, states, device)
-        # the caps were measured on the two-state kernel; the one- and three-state ones take the compiler's choice
+        # the caps were measured on the two-state kernel; the three-state one takes the compiler's choice but where
+        # MAXNREG is set, and the one-state kernel always
         self.maxnreg = (
-            register_cap(self.layouts, param_dtype.itemsize, self.fold_sums) if len(self.layouts) == 2 else None
+            register_cap(self.layouts, param_dtype.itemsize, self.fold_sums)
+            if len(self.layouts) == 2 or (len(self.layouts) == 3 and MAXNREG is not None)
+            else None
         )
         self.torch_param_dtype, self.torch_grad_dtype = param_dtype, grad_dtype
         if self.executor == "triton":

@@ -211,6 +211,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         N_COEFS=plan.rule.n_coefs,
         **flags,
         num_warps=plan.stats_tile_shape.warps,
+        **({"maxnreg": plan.stats_tile_shape.maxnreg} if plan.stats_tile_shape.maxnreg else {}),
     )
     plan.rank1_inverses()
     return rank1
