@@ -199,7 +199,7 @@ def compile_stats(dtype: str, arch: int = 90):
         S1_BITS=4,
         S1_SCALE=1,
     )
-    compiled = compile_kernel(rank1_stats_kernel, signature, constants, arch, tile.warps)
+    compiled = compile_kernel(rank1_stats_kernel, signature, constants, arch, tile.warps, tile.maxnreg)
     per_thread = tile.rows * RUN.value if tile.rowwise else tile.rows * tile.cols // (32 * tile.warps)
     return compiled, per_thread
 

@@ -181,9 +181,9 @@ signature = {"ptrs": "*i64", "grad_ptrs": "*i64", "numels": "*i64", "coefs": "*f
 constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128, UPDATE=rule.triton_update(),
                  OPTION=True, MAXIMIZE=False, PTX=True, N_STATES=2, N_COEFS=7, S0_QUANT=True, S0_BITS=4,
                  S0_SCALE=False, S1_QUANT=True, S1_BITS=4, S1_SCALE=kind, ALIGNED=True)
-rows, cols, warps, strip, rowwise = STATS_TILES[["rank1", "factored"][kind - 1]]
-tile = dict(ROWS=rows, COLS=cols, STRIP=strip, ROWWISE=rowwise)
-stats = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile), 90, warps)
+shape = STATS_TILES[["rank1", "factored"][kind - 1]]
+tile = dict(ROWS=shape.rows, COLS=shape.cols, STRIP=shape.strip, ROWWISE=shape.rowwise)
+stats = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile), 90, shape.warps, shape.maxnreg)
 columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
 print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))
 """
