@@ -20,6 +20,9 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW-4bit_sr``: format ``"4bit_sr"``, both states' codes rounded stochastically, unbiased, from a hash of each
   element's position and value (:func:`stochastic_codes`), on the per-parameter compiled path; ``AdamW-4bit_srm``,
   ``exp_avg``'s only;
+- ``AdamW-4bit_floor``: format ``"4bit_floor"``, torchao's floor on the block scales (each block's absmax clipped at
+  1e-12: :class:`FourBitFloorTensor`), on the compiled path; ``AdamW-4bit_dyn_floor`` with torchao's ``exp_avg`` map
+  too, which is torchao's ``AdamW4bit`` state;
 - ``AdamW-m4v8``: format ``"m4v8"``, ``exp_avg`` as in ``"4bit"`` and ``exp_avg_sq`` on the 8-bit dynamic map
   (:class:`FourBitFirstEightBitSecondTensor`; 8-bit codes for both, so about 2.07 bytes per parameter), on the compiled
   path;
@@ -31,7 +34,7 @@ unchanged), each as one change from ``"4bit"`` (quadratic map for ``exp_avg``, b
 - ``AdamW4bit-small8``: ``"4bit"``, but every parameter of at most :data:`SMALL` elements keeps 8-bit state: on
   ``gpt125m`` and ``gpt350m`` the two embeddings and the output head (the matrices of the blocks are larger).
 
-Every variant but ``AdamW-4bit_sr``, ``AdamW-4bit_srm`` and ``AdamW-m4v8`` takes the fused path
+Every variant but ``AdamW-4bit_sr``, ``AdamW-4bit_srm``, the ``_floor`` ones and ``AdamW-m4v8`` takes the fused path
 (``fast_path_layout()``), so it trains at 4-bit speed. A signed linear map for ``exp_avg`` is not among them: the
 library holds none (``quant`` has the dynamic map and the unsigned linear one). Loading this file again registers
 nothing new.
@@ -49,7 +52,7 @@ import optimizers  # noqa: E402  (the table every benchmark shares; it puts this
 import torch  # noqa: E402
 
 import torchao_optim  # noqa: E402
-from torchao_optim.quant import pack_nibbles  # noqa: E402
+from torchao_optim.quant import pack_nibbles, quantize_nearest  # noqa: E402
 from torchao_optim.quant.blockwise import block_absmax, normalize  # noqa: E402
 from torchao_optim.quant.rounding import mix32  # noqa: E402
 from torchao_optim.state import DTQ8bitTensor, FourBitRank1Tensor, FourBitTensor, register_state_format  # noqa: E402
@@ -94,6 +97,27 @@ class FourBitStochasticTensor(FourBitTensor):
         return {layout.codes: pack_nibbles(codes), layout.scales: absmax}
 
 
+# torchao's low-bit states clip each block's absmax at this before scaling (torchao/optim/quant_utils.py, scale_tensor)
+TORCHAO_SCALE_FLOOR = 1e-12
+
+
+class FourBitFloorTensor(FourBitTensor):
+    """``"4bit"`` with torchao's floor on its block scales: each block's absmax clipped at :data:`TORCHAO_SCALE_FLOOR`,
+    so that a block of ``exp_avg_sq`` under 1e-12 decodes to at least 1/16 of it (the linear map's smallest value), a
+    denominator of at least 2.5e-7, and a block of ``exp_avg`` under it keeps only the codes it takes against 1e-12.
+    On the per-parameter compiled path (no fused layout)."""
+
+    def fused_layout(self):
+        return None
+
+    @classmethod
+    def quantize_fields(cls, x, **attrs):
+        layout = cls.layout_of(attrs)
+        absmax = block_absmax(x, layout.block_size).clamp_min(TORCHAO_SCALE_FLOOR)
+        codes = quantize_nearest(normalize(x, absmax, layout.block_size), layout.codebook, layout.never_zero)
+        return {layout.codes: pack_nibbles(codes), layout.scales: absmax}
+
+
 class FourBitFirstEightBitSecondTensor(DTQ8bitTensor):
     """``exp_avg`` as ``"4bit"`` stores it (the quadratic map's 16 values, blocks of 128), held in 8-bit codes, and
     ``exp_avg_sq`` as ``"dtq8"`` does (the 8-bit dynamic map), in blocks of 128: ``"4bit"`` with an exact-enough second
@@ -131,6 +155,8 @@ FORMATS = {
     "4bit_sr": ("FourBitStochasticRoundedTensor", {}, FourBitStochasticTensor),
     "4bit_srm": ("FourBitStochasticFirstTensor", {"stochastic_states": "signed"}, FourBitStochasticTensor),
     "m4v8": ("FourBitFirstEightBitSecondVariant", {}, FourBitFirstEightBitSecondTensor),
+    "4bit_floor": ("FourBitFlooredTensor", {}, FourBitFloorTensor),
+    "4bit_dyn_floor": ("FourBitDynamicFlooredTensor", {"first_moment": "dynamic"}, FourBitFloorTensor),
 }
 
 
