@@ -4,8 +4,8 @@
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
 # rank-1 and factored scales, "targets" times every new rule and matrix-scale format against its floor, "rank1_ncu"
-# profiles the rank-1 step's two kernels, "rule_caps" times register caps of RMSprop's kernels, "muon" Muon8bit's fused momentum against its compiled path; the
-# memory benchmark's parts, each within ten minutes, are
+# profiles the rank-1 step's two kernels, "rule_caps" times register caps of RMSprop's kernels, "muon" Muon8bit's
+# fused momentum against its compiled path; the memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
 # fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
@@ -86,9 +86,6 @@ if has targets; then
         --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4,AdEMAMix8bit,AdamW8bitAmsgrad,RMSpropCentered8bit,RMSpropCenteredNoMomentum8bit,RMSprop8bit,Adagrad8bit \
         2>&1 | tee "$OUT/targets/step.txt"
 fi
-# Where "4bit_rank1"'s step goes: register caps of the step kernel and of the first pass timed, then Nsight Compute on
-# its two kernels (first pass and step) with bf16 parameters, with the source view's stall samples, under
-# $OUT/rank1_ncu.
 # Register caps of the rules whose updates hold the most registers (RMSprop with momentum, two states, and centered
 # with momentum, three), under $OUT/rule_caps.
 if has rule_caps; then
@@ -100,6 +97,9 @@ if has rule_caps; then
         done
     done
 fi
+# Where "4bit_rank1"'s step goes: register caps of the step kernel and of the first pass timed, then Nsight Compute on
+# its two kernels (first pass and step) with bf16 parameters, with the source view's stall samples, under
+# $OUT/rank1_ncu.
 if has rank1_ncu; then
     mkdir -p "$OUT/rank1_ncu"
     for dtype in fp32 bf16; do
