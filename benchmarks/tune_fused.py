@@ -13,6 +13,7 @@ TAIL_TILES_PER_SM, PDL, FLAT_MAX_BITS, FOLD_ROWS), registers and spills.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 
@@ -85,20 +86,19 @@ def main():
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
-    configs = [
-        (i, bool(int(f)), w, r, t, d, b, fr, st, sr)
-        for i in map(int, args.iters.split(","))
-        for f in args.prefetch.split(",")
-        for w in map(int, args.warps.split(","))
-        for r in args.maxnreg.split(",")
-        for t in map(int, args.tail.split(","))
-        for d in map(int, args.pdl.split(","))
-        for b in map(int, args.flat_bits.split(","))
-        for fr in map(int, args.fold_rows.split(","))
-        for st in args.stats_strip.split(",")
-        for sr in args.stats_rows.split(",")
-        for sm in args.stats_maxnreg.split(",")
-    ]
+    configs = itertools.product(  # one tuple per combination, in the order the loop below unpacks them
+        map(int, args.iters.split(",")),
+        [bool(int(f)) for f in args.prefetch.split(",")],
+        map(int, args.warps.split(",")),
+        args.maxnreg.split(","),
+        map(int, args.tail.split(",")),
+        map(int, args.pdl.split(",")),
+        map(int, args.flat_bits.split(",")),
+        map(int, args.fold_rows.split(",")),
+        args.stats_strip.split(","),
+        args.stats_rows.split(","),
+        args.stats_maxnreg.split(","),
+    )
     tiles = dict(triton_rank1.STATS_TILES)
     for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip, stats_rows, stats_cap in configs:
         triton_rank1.STATS_TILES = {
