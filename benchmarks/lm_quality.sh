@@ -45,6 +45,8 @@
 # and torchao's floor on the block scales (each block's absmax clipped at 1e-12; benchmarks/small_gradients.py), with
 # torchao's maps (its AdamW4bit state, on our compiled path) and with "4bit"'s, beside the 125m-4bit parts:
 #     125m-floor-s0  125m-floor-s1  125m-floor-s2
+# and on gpt350m beside 350m-a's AdamW and AdamW4bit:
+#     350m-floor
 # then, wherever the parts' folders were gathered (any machine, no GPU needed):
 #   python benchmarks/benchmark_convergence.py --merge results/lm_quality/125m-{4bit,8bit}-s* \
 #       results/lm_quality/125m-rank1 --out results/lm_quality/gpt125m
@@ -79,6 +81,7 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
         125m-nm-s[0-9]) echo "gpt125m $NORMALIZED ${1#125m-nm-s} --formats_from $HERE/normalized_momentum.py" ;;
         350m-clip) echo "gpt350m AdamW4bit-clip-vsq,AdamW4bit-clip,AdamW4bit-clip-rank1 0 --formats_from $HERE/clipped_momentum.py" ;;
         125m-floor-s[0-9]) echo "gpt125m AdamW-4bit_dyn_floor,AdamW-4bit_floor ${1#125m-floor-s} --formats_from $HERE/fourbit_variants.py" ;;
+        350m-floor) echo "gpt350m AdamW-4bit_floor,AdamW-4bit_dyn_floor 0 --formats_from $HERE/fourbit_variants.py" ;;
         custom) echo "${MODEL:?PART=custom needs MODEL} ${OPTIMS:?PART=custom needs OPTIMS} ${SEEDS:?PART=custom needs SEEDS}" ;;
         *) return 1 ;;
     esac
@@ -86,7 +89,7 @@ part() {  # the model, optimizers and seeds of part $1, then any flags of its ow
 if [[ "$PART" == list ]]; then
     for p in 125m-4bit-s0 125m-4bit-s1 125m-4bit-s2 125m-8bit-s0 125m-8bit-s1 125m-8bit-s2 125m-rank1 350m-a 350m-b \
         125m-4bitvar-s0 125m-4bitvar-s1 125m-4bitvar-s2 350m-4bitvar 350m-rank1 350m-sr 125m-factored 125m-adafactor 350m-nm-s0 \
-        125m-nm-s0 350m-clip 125m-floor-s0; do
+        125m-nm-s0 350m-clip 125m-floor-s0 350m-floor; do
         read -r model optims seeds flags <<<"$(part "$p")"
         echo "$p: --model_size $model --optims $optims --seeds $seeds${flags:+ $flags}"
     done
