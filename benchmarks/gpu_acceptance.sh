@@ -22,7 +22,7 @@ has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
     python -m pytest test/test_cuda.py test/test_codec.py test/test_fused_coefficients.py test/test_rounding.py \
         test/test_one_state_optimizers.py test/test_step_graphs.py test/test_fused_tiles.py \
-        test/test_benchmark_step.py -q --durations=15 2>&1 | tee "$OUT/tests_full.txt" | tail -5 | tee "$OUT/tests.txt"
+        test/test_benchmark_step.py test/test_tune_fused.py -q --durations=15 2>&1 | tee "$OUT/tests_full.txt" | tail -5 | tee "$OUT/tests.txt"
     # a user's torch.compile of a train step over our step, also under CUDA-graph capture (reduce-overhead)
     python -m pytest test/test_compiled_step.py -q -k cuda 2>&1 | tail -3 | tee -a "$OUT/tests.txt"
     # the conformance cases on the fused executor, on the GPU: every format and every optimizer

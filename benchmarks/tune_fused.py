@@ -16,6 +16,7 @@ import argparse
 import itertools
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -30,7 +31,23 @@ import torchao_optim.kernels.triton_rank1 as triton_rank1  # noqa: E402
 import torchao_optim.optim.fused as fused  # noqa: E402
 
 
-def main():
+class Settings(NamedTuple):
+    """One point of the grid: the module settings a timed step runs under (strings where "auto" is allowed)."""
+
+    iters: int
+    prefetch: bool
+    warps: int
+    maxnreg: str
+    tail: int
+    pdl: int
+    flat_bits: int
+    fold_rows: int
+    stats_strip: str
+    stats_rows: str
+    stats_maxnreg: str
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--geometry", default="llama_1b")
     ap.add_argument("--dtype", default="fp32")
@@ -80,39 +97,64 @@ def main():
         help="scales over a matrix: the first pass's register cap (auto: STATS_TILES' own; 0: none)",
     )
     ap.add_argument("--steps", type=int, default=30)
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def grid(args: argparse.Namespace) -> list[Settings]:
+    """Every combination of the listed values, the first option's slowest."""
+
+    def ints(text):
+        return [int(x) for x in text.split(",")]
+
+    return [
+        Settings(*point)
+        for point in itertools.product(
+            ints(args.iters),
+            [bool(x) for x in ints(args.prefetch)],
+            ints(args.warps),
+            args.maxnreg.split(","),
+            ints(args.tail),
+            ints(args.pdl),
+            ints(args.flat_bits),
+            ints(args.fold_rows),
+            args.stats_strip.split(","),
+            args.stats_rows.split(","),
+            args.stats_maxnreg.split(","),
+        )
+    ]
+
+
+def apply(settings: Settings, tiles: dict) -> None:
+    """Set the kernels' module settings for one timed run; ``tiles``: ``triton_rank1.STATS_TILES`` as it was before
+    any run (each "auto" keeps its value)."""
+
+    def pick(text, default, convert=int):
+        return default if text == "auto" else convert(text)
+
+    triton_rank1.STATS_TILES = {
+        kind: tile._replace(
+            strip=pick(settings.stats_strip, tile.strip),
+            rows=pick(settings.stats_rows, tile.rows),
+            maxnreg=pick(settings.stats_maxnreg, tile.maxnreg, lambda x: int(x) or None),
+        )
+        for kind, tile in tiles.items()
+    }
+    fused.ITERS, fused.PREFETCH, fused.NUM_WARPS = settings.iters, settings.prefetch, settings.warps
+    fused.TAIL_TILES_PER_SM, fused.FOLD_ROWS = settings.tail, settings.fold_rows
+    fused.PDL, tables.FLAT_MAX_BITS = bool(settings.pdl), settings.flat_bits
+    fused.MAXNREG = pick(settings.maxnreg, None)
+
+
+def main():
+    args = parse_args()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     params = draw_params(GEOMETRIES[args.geometry](), dtype, "cuda")
     n_params = sum(p.numel() for p in params)
     bandwidth = copy_bandwidth("cuda")
     floor = None
-    configs = itertools.product(  # one tuple per combination, in the order the loop below unpacks them
-        map(int, args.iters.split(",")),
-        [bool(int(f)) for f in args.prefetch.split(",")],
-        map(int, args.warps.split(",")),
-        args.maxnreg.split(","),
-        map(int, args.tail.split(",")),
-        map(int, args.pdl.split(",")),
-        map(int, args.flat_bits.split(",")),
-        map(int, args.fold_rows.split(",")),
-        args.stats_strip.split(","),
-        args.stats_rows.split(","),
-        args.stats_maxnreg.split(","),
-    )
     tiles = dict(triton_rank1.STATS_TILES)
-    for iters, prefetch, warps, maxnreg, tail, pdl, flat_bits, fold_rows, strip, stats_rows, stats_cap in configs:
-        triton_rank1.STATS_TILES = {
-            kind: tile._replace(
-                strip=tile.strip if strip == "auto" else int(strip),
-                rows=tile.rows if stats_rows == "auto" else int(stats_rows),
-                maxnreg=tile.maxnreg if stats_cap == "auto" else (int(stats_cap) or None),
-            )
-            for kind, tile in tiles.items()
-        }
-        fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.TAIL_TILES_PER_SM = iters, prefetch, warps, tail
-        fused.FOLD_ROWS = fold_rows
-        fused.PDL, tables.FLAT_MAX_BITS = bool(pdl), flat_bits
-        fused.MAXNREG = None if maxnreg == "auto" else int(maxnreg)
+    for settings in grid(args):
+        apply(settings, tiles)
         if args.optim:
             opt = build(args.optim, params)
         else:
@@ -131,12 +173,12 @@ def main():
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
-        first_pass = big.rank1 is not None and not big.fold_sums
+        pass_tile = big.stats_tile_shape if big.rank1 is not None and not big.fold_sums else None
+        strip, rows, cap = (pass_tile.strip, pass_tile.rows, pass_tile.maxnreg or "-") if pass_tile else ("-",) * 3
         print(
-            f"| {iters} | {int(prefetch)} | {warps} | {big.maxnreg or '-'} | {tail} | {pdl} | {big.flat} "
-            f"| {fold_rows if big.fold_sums else '-'} | {big.stats_tile_shape.strip if first_pass else '-'} "
-            f"| {big.stats_tile_shape.rows if first_pass else '-'} "
-            f"| {(big.stats_tile_shape.maxnreg or '-') if first_pass else '-'} "
+            f"| {settings.iters} | {int(settings.prefetch)} | {settings.warps} | {big.maxnreg or '-'} "
+            f"| {settings.tail} | {settings.pdl} | {big.flat} | {settings.fold_rows if big.fold_sums else '-'} "
+            f"| {strip} | {rows} | {cap} "
             f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )
