@@ -190,6 +190,7 @@ def compile_stats(dtype: str, arch: int = 90):
         COLS=tile.cols,
         STRIP=tile.strip,
         ROWWISE=tile.rowwise,
+        GROUPED=tile.grouped,
         N_STATES=2,
         N_COEFS=rule.n_coefs,
         S0_QUANT=True,
@@ -307,8 +308,20 @@ def main():
     ap.add_argument(
         "--kernel", default="adam", choices=["adam", "stats"], help="stats: the rank-1 first pass (rank1_stats_kernel)"
     )
+    ap.add_argument(
+        "--stats-grouped",
+        type=int,
+        default=None,
+        help="--kernel stats: 1, each tile's rows' loads first (StatsTile.grouped); 0, the compiler's order (default: "
+        "STATS_TILES' own)",
+    )
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     args = ap.parse_args()
+    if args.stats_grouped is not None:
+        import torchao_optim.kernels.triton_rank1 as triton_rank1
+
+        rank1 = triton_rank1.STATS_TILES["rank1"]._replace(grouped=bool(args.stats_grouped))
+        triton_rank1.STATS_TILES = dict(triton_rank1.STATS_TILES, rank1=rank1)
     if args.flat_bits is not None:
         import torchao_optim.kernels.tables as tables
 
@@ -322,6 +335,7 @@ def main():
     rule = "" if args.rule == "adam" else f" ({args.rule}'s update)"
     what = (
         f'rank1_stats_kernel ("4bit_rank1"\'s first pass), {args.dtype} params'
+        + (", each tile's rows' loads first" if args.kernel == "stats" and args.stats_grouped else "")
         if args.kernel == "stats"
         else f"adam_kernel{rule}, {args.dtype} params, {args.bits}-bit codes, blocks of {args.block}"
         + (", rank-1 scales" if args.rank1 else "")

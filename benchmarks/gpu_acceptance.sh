@@ -4,8 +4,9 @@
 #   OUT=results/gpu bash benchmarks/gpu_acceptance.sh
 # PARTS picks what runs (default "tests ncu step"; "rules" tests and times the rules of three states on CUDA, "rank1" the
 # rank-1 and factored scales, "targets" times every new rule and matrix-scale format against its floor, "rank1_ncu"
-# profiles the rank-1 step's two kernels, "rule_caps" times register caps of RMSprop's kernels, "muon" Muon8bit's
-# fused momentum against its compiled path; the memory benchmark's parts, each within ten minutes, are
+# profiles the rank-1 step's two kernels, "rule_caps" times register caps of RMSprop's kernels, "rank1_grouped" times
+# the rank-1 first pass with each tile's rows' loads first, "muon" Muon8bit's fused momentum against its compiled
+# path; the memory benchmark's parts, each within ten minutes, are
 # "memory_1b memory_fit memory_fit_offload memory_fit_ours_offload"; "compiled_first" times the compiled path's
 # first step, cold, one optimizer per process (COMPILED_OPTIMS picks them); "convergence" trains the gpt10m preset with
 # fp32 AdamW and every built-in format, two seeds, one optimizer a run under $OUT/convergence/, so that whatever
@@ -85,6 +86,15 @@ if has targets; then
     python benchmarks/benchmark_step.py --geometries llama_1b --dtypes bf16,fp32 --steps 20 --out "$OUT/targets" \
         --optims AdamWTorchFused,AdamW8bit,AdamW-4bit,AdamW-4bit_rank1,AdamW-factored,AdamW-factored4,AdEMAMix8bit,AdamW8bitAmsgrad,RMSpropCentered8bit,RMSpropCenteredNoMomentum8bit,RMSprop8bit,Adagrad8bit \
         2>&1 | tee "$OUT/targets/step.txt"
+fi
+# The rank-1 first pass with each tile's rows' loads first (StatsTile.grouped) against the compiler's order, tiles of 2,
+# 4 and 8 rows, in one process each dtype, under $OUT/rank1_grouped.
+if has rank1_grouped; then
+    mkdir -p "$OUT/rank1_grouped"
+    for dtype in bf16 fp32; do
+        python benchmarks/tune_fused.py --state-format 4bit_rank1 --dtype "$dtype" --iters 8 --prefetch 1 --warps 1 \
+            --stats-rows 2,4,8 --stats-grouped 0,1 --steps 10 2>&1 | tee "$OUT/rank1_grouped/$dtype.txt"
+    done
 fi
 # Register caps of the rules whose updates hold the most registers (RMSprop with momentum, two states, and centered
 # with momentum, three), under $OUT/rule_caps.

@@ -45,6 +45,7 @@ class Settings(NamedTuple):
     stats_strip: str
     stats_rows: str
     stats_maxnreg: str
+    stats_grouped: str
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,6 +97,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="auto",
         help="scales over a matrix: the first pass's register cap (auto: STATS_TILES' own; 0: none)",
     )
+    ap.add_argument(
+        "--stats-grouped",
+        default="auto",
+        help="scales over a matrix: 1, each first-pass tile's rows' loads written before their updates; 0, the "
+        "compiler's order (auto: STATS_TILES' own)",
+    )
     ap.add_argument("--steps", type=int, default=30)
     return ap.parse_args(argv)
 
@@ -120,6 +127,7 @@ def grid(args: argparse.Namespace) -> list[Settings]:
             args.stats_strip.split(","),
             args.stats_rows.split(","),
             args.stats_maxnreg.split(","),
+            args.stats_grouped.split(","),
         )
     ]
 
@@ -136,6 +144,7 @@ def apply(settings: Settings, tiles: dict) -> None:
             strip=pick(settings.stats_strip, tile.strip),
             rows=pick(settings.stats_rows, tile.rows),
             maxnreg=pick(settings.stats_maxnreg, tile.maxnreg, lambda x: int(x) or None),
+            grouped=pick(settings.stats_grouped, tile.grouped, lambda x: bool(int(x))),
         )
         for kind, tile in tiles.items()
     }
@@ -165,20 +174,24 @@ def main():
             print(f"# {args.geometry} {args.dtype} {args.optim or args.state_format}: floor {floor:.3f} ms")
             print(
                 "| iters | prefetch | warps | maxnreg | tail | pdl | flat | fold rows | pass strip | pass rows "
-                "| pass maxnreg | step ms | x floor | host ms | regs | spills |"
+                "| pass maxnreg | pass grouped | step ms | x floor | host ms | regs | spills |"
             )
-            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         times = step_times(opt.step, "cuda", args.steps)  # the device's time (host ahead), and the host's
         ms, host_ms = times["device"], times["host"]
         plans = next(iter(opt._plans.values()))["plans"]
         big = max(plans, key=lambda pl: pl.n_programs)
         regs, spills = getattr(big.compiled, "n_regs", "?"), getattr(big.compiled, "n_spills", "?")
         pass_tile = big.stats_tile_shape if big.rank1 is not None and not big.fold_sums else None
-        strip, rows, cap = (pass_tile.strip, pass_tile.rows, pass_tile.maxnreg or "-") if pass_tile else ("-",) * 3
+        strip, rows, cap, grouped = (
+            (pass_tile.strip, pass_tile.rows, pass_tile.maxnreg or "-", int(pass_tile.grouped))
+            if pass_tile
+            else ("-",) * 4
+        )
         print(
             f"| {settings.iters} | {int(settings.prefetch)} | {settings.warps} | {big.maxnreg or '-'} "
             f"| {settings.tail} | {settings.pdl} | {big.flat} | {settings.fold_rows if big.fold_sums else '-'} "
-            f"| {strip} | {rows} | {cap} "
+            f"| {strip} | {rows} | {cap} | {grouped} "
             f"| {ms:.3f} | {ms / floor:.2f} | {host_ms:.3f} | {regs} "
             f"| {spills} |"
         )

@@ -184,8 +184,12 @@ constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128
 shape = STATS_TILES[["rank1", "factored"][kind - 1]]
 tile = dict(ROWS=shape.rows, COLS=shape.cols, STRIP=shape.strip, ROWWISE=shape.rowwise)
 stats = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile), 90, shape.warps, shape.maxnreg)
+# and the first pass with each tile's rows' loads first (StatsTile.grouped), where it reads rows
+grouped = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile, GROUPED=True), 90, shape.warps,
+                         shape.maxnreg)
 columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
-print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin"]), len(columns.asm["cubin"]))
+print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin"]), len(grouped.asm["cubin"]),
+      len(columns.asm["cubin"]))
 """
 
 
@@ -195,8 +199,9 @@ print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin
 def test_matrix_scale_kernels_compile_for_sm90(dtype, kind):
     """Scales over a whole matrix on the Triton kernels ("4bit_rank1"'s and "factored4"'s ``exp_avg_sq``): the
     two-state kernel's form for each and the first pass that finds the new maxima or sums (its atomics, fp64 for
-    the sums) compile for sm_90 with their inline PTX, and so does the columns' normalization before it; for factored
-    states, also the kernel's form that takes the sums itself (``FOLD``)."""
+    the sums; also in its form with each tile's rows' loads first) compile for sm_90 with their inline PTX, and so
+    does the columns' normalization before it; for factored states, also the kernel's form that takes the sums itself
+    (``FOLD``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(ROOT), str(ROOT / "benchmarks")] + [p for p in [env.get("PYTHONPATH")] if p]

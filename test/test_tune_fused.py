@@ -34,6 +34,7 @@ TWO_OF_EACH = {
     "stats_strip": ("auto,16", {"auto", "16"}),
     "stats_rows": ("auto,2", {"auto", "2"}),
     "stats_maxnreg": ("auto,0", {"auto", "0"}),
+    "stats_grouped": ("auto,1", {"auto", "1"}),
 }
 
 
@@ -51,13 +52,14 @@ def test_apply_sets_each_module_setting(kernel_settings):
     args = tune.parse_args(
         ["--iters", "4", "--prefetch", "0", "--warps", "2", "--maxnreg", "96", "--tail", "16", "--pdl", "0"]
         + ["--flat-bits", "0", "--fold-rows", "8", "--stats-strip", "16", "--stats-rows", "2", "--stats-maxnreg", "0"]
+        + ["--stats-grouped", "1"]
     )
     (point,) = tune.grid(args)
     tune.apply(point, tiles)
     assert (fused.ITERS, fused.PREFETCH, fused.NUM_WARPS, fused.MAXNREG) == (4, False, 2, 96)
     assert (fused.TAIL_TILES_PER_SM, fused.FOLD_ROWS, fused.PDL, tables.FLAT_MAX_BITS) == (16, 8, False, 0)
     for kind, tile in triton_rank1.STATS_TILES.items():
-        assert (tile.strip, tile.rows, tile.maxnreg) == (16, 2, None)
+        assert (tile.strip, tile.rows, tile.maxnreg, tile.grouped) == (16, 2, None, True)
         assert (tile.cols, tile.warps, tile.rowwise) == (tiles[kind].cols, tiles[kind].warps, tiles[kind].rowwise)
     # "auto" keeps the tiles' own values, and the register cap of the step kernels the planner's choice
     tune.apply(tune.grid(tune.parse_args(["--iters", "8", "--prefetch", "1", "--warps", "1"]))[0], tiles)
@@ -70,7 +72,7 @@ def test_tune_fused_runs_on_cuda(kernel_settings, monkeypatch, capsys):
     monkeypatch.setattr(
         "sys.argv",
         ["tune_fused.py", "--geometry", "gpt25m", "--state-format", "4bit_rank1", "--iters", "8", "--prefetch", "1"]
-        + ["--warps", "1", "--stats-rows", "2,4", "--steps", "2"],
+        + ["--warps", "1", "--stats-rows", "2,4", "--stats-grouped", "1", "--steps", "2"],
     )
     tune.main()
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 |")]

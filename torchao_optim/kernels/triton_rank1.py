@@ -55,6 +55,9 @@ class StatsTile(NamedTuple):
     strip: int = 1  # tiles a program walks down a column of tiles, its column statistics kept in registers
     rowwise: bool = False  # where a plan is ALIGNED, a tile read row by row, one run of RUN columns a thread
     maxnreg: int | None = None  # the pass's register cap (None: the compiler's choice)
+    grouped: bool = (
+        False  # under rowwise, each `rows` rows' loads written before their updates (else the compiler's order)
+    )
 
 
 STATS_TILES = {"rank1": StatsTile(4, 128, 1, 32, rowwise=True), "factored": StatsTile(8, 128, 4)}
@@ -130,6 +133,73 @@ def _state_at(
 
 
 @triton.jit
+def _row_codes(codes, e, start, ok, QUANT: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, MASKED: tl.constexpr):
+    """The codes of a state on one row of an ALIGNED tile (``codes``: its address from the pointer table; the row's
+    elements ``e``, a vector: ``start``, a multiple of 16 bytes of every array inside one block, plus runs of
+    :data:`RUN`): 8-bit codes as int32, 4-bit ones as one word of two bytes a run, a plain state's values; none for a
+    factored state (0). ``MASKED``: only where the scalar ``ok`` holds (0 elsewhere)."""
+    if QUANT and SCALE == FACTORED:
+        return 0
+    n_words: tl.constexpr = e.shape[0] // RUN
+    if QUANT and BITS == 8:
+        at = tl.multiple_of(codes.to(tl.pointer_type(tl.uint8)), 16) + e
+    elif QUANT:
+        words = tl.multiple_of(codes.to(tl.pointer_type(tl.uint16)), 8)
+        at = words + start // RUN + tl.max_contiguous(tl.arange(0, n_words), 1)
+    else:
+        at = tl.multiple_of(codes.to(tl.pointer_type(tl.float32)), 16) + e
+    if MASKED:
+        raw = tl.load(at, mask=tl.full(at.shape, 1, tl.int1) & ok, other=0)
+    else:
+        raw = tl.load(at)
+    if QUANT:
+        raw = raw.to(tl.int32)
+    return raw
+
+
+@triton.jit
+def _row_scale(
+    scales, start, r, ok, QUANT: tl.constexpr, QBLOCK: tl.constexpr, SCALE: tl.constexpr, MASKED: tl.constexpr
+):
+    """The scalar scale of a state's row (:func:`_row_codes`'): its row mean (factored), its old row maximum (rank-1),
+    its block's absmax, else 1 (unused)."""
+    if not QUANT:
+        return 1.0
+    at = scales.to(tl.pointer_type(tl.float32))
+    at = at + r if SCALE else at + start // QBLOCK
+    return tl.load(at, mask=ok, other=1.0) if MASKED else tl.load(at)
+
+
+@triton.jit
+def _row_values(raw, values, QUANT: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr):
+    """The code values of :func:`_row_codes`' codes (8-bit: the table's entries; 4-bit: decoded in the thread's
+    registers, ``triton_codec._decode_words``); a plain state's values as they are; none for a factored state."""
+    if QUANT and SCALE == FACTORED:
+        return raw
+    elif QUANT and BITS == 8:
+        return tl.load(values + raw)
+    elif QUANT:
+        return _decode_words(raw, values, RUN)
+    else:
+        return raw
+
+
+@triton.jit
+def _row_scaled(x, scale, col, QUANT: tl.constexpr, SCALE: tl.constexpr):
+    """A state's fp32 values on one row: its code values ``x`` times its row's ``scale`` (:func:`_row_scale`), the
+    smaller of it and ``col`` (rank-1: the strip's column maxima), or a factored state's row mean times ``col`` (its
+    columns over their mean); a plain state's ``x``."""
+    if QUANT and SCALE == FACTORED:
+        return scale * col
+    elif QUANT and SCALE == RANK1:
+        return x * tl.minimum(scale, col)
+    elif QUANT:
+        return x * scale
+    else:
+        return x
+
+
+@triton.jit
 def _row_state(
     codes,
     scales,
@@ -143,29 +213,11 @@ def _row_state(
     QBLOCK: tl.constexpr,
     SCALE: tl.constexpr,
 ):
-    """A state's fp32 values on one row of an ALIGNED tile, as :func:`_state_at` reads them on a whole tile (``codes``
-    and ``scales``: its addresses from the pointer table, loaded once a strip): the tile's row ``r`` (a scalar) from
-    element ``start`` (a multiple of 16 bytes of every array, inside one block), its elements ``e`` (a vector:
-    ``start`` plus runs of :data:`RUN`); ``col``: the strip's column maxima (rank-1) or columns over their mean
-    (factored), loaded once a strip. 4-bit codes come as one word of two bytes per run, decoded in the thread's
-    registers (``triton_codec._decode_words``), and a block's scale is one scalar load."""
-    if QUANT and SCALE == FACTORED:
-        return tl.load(scales.to(tl.pointer_type(tl.float32)) + r) * col
-    elif QUANT:
-        if BITS == 8:
-            code = tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.uint8)), 16) + e).to(tl.int32)
-            x = tl.load(values + code)
-        else:
-            words = tl.multiple_of(codes.to(tl.pointer_type(tl.uint16)), 8)
-            word = tl.load(words + start // RUN + tl.max_contiguous(tl.arange(0, e.shape[0] // RUN), 1))
-            x = _decode_words(word.to(tl.int32), values, RUN)
-        maxima = scales.to(tl.pointer_type(tl.float32))
-        if SCALE == RANK1:
-            return x * tl.minimum(tl.load(maxima + r), col)
-        else:
-            return x * tl.load(maxima + start // QBLOCK)
-    else:
-        return tl.load(tl.multiple_of(codes.to(tl.pointer_type(tl.float32)), 16) + e)
+    """A state's fp32 values on one row of an ALIGNED tile, as :func:`_state_at` reads them on a whole tile: its
+    codes, their values, then its row's scale (one scalar load), ``col`` the strip's column maxima or columns over
+    their mean (loaded once a strip)."""
+    x = _row_values(_row_codes(codes, e, start, True, QUANT, BITS, SCALE, False), values, QUANT, BITS, SCALE)
+    return _row_scaled(x, _row_scale(scales, start, r, True, QUANT, QBLOCK, SCALE, False), col, QUANT, SCALE)
 
 
 @triton.jit
@@ -179,18 +231,59 @@ def _strip_columns(row, K: tl.constexpr, c, rows, cols, QUANT: tl.constexpr, SCA
 
 
 @triton.jit
-def _fold_row(x, acc, new, r, SCALE: tl.constexpr):
+def _fold_row(x, acc, new, r, ok, SCALE: tl.constexpr, MASKED: tl.constexpr):
     """:func:`_fold` on one row of an ALIGNED tile: the row's statistic one scalar atomic, the columns' kept per
-    element in ``acc`` (no reduction across threads)."""
+    element in ``acc`` (no reduction across threads). ``MASKED``: only where the scalar ``ok`` holds."""
+    mask = tl.full(x.shape, 1, tl.int1)
+    if MASKED:
+        mask = mask & ok
+    at_ok = ok if MASKED else None
     if SCALE == FACTORED:
-        v = factored_part(x, tl.full(x.shape, 1, tl.int1))
-        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=0), sem="relaxed")
+        v = factored_part(x, mask)
+        tl.atomic_add(new.to(tl.pointer_type(tl.float64)) + r, tl.sum(v, axis=0), mask=at_ok, sem="relaxed")
         acc = acc + v
     else:
-        bits = _magnitude_bits(x, tl.full(x.shape, 1, tl.int1))
-        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=0), sem="relaxed")
+        bits = _magnitude_bits(x, mask)
+        tl.atomic_max(new.to(tl.pointer_type(tl.int32)) + r, tl.max(bits, axis=0), mask=at_ok, sem="relaxed")
         acc = tl.maximum(acc, bits)
     return acc
+
+
+@triton.jit
+def _row_update(
+    p,
+    g,
+    states,
+    cf,
+    accs,
+    news,
+    r,
+    ok,
+    UPDATE: tl.constexpr,
+    OPTION: tl.constexpr,
+    PTX: tl.constexpr,
+    N_STATES: tl.constexpr,
+    SCALES: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The rule's update on row ``r``'s values (parameter ``p``, gradient ``g``, ``states`` the first ``N_STATES`` of
+    three), each rank-1 or factored state's new values (``SCALES``: each state's kind) folded into its statistics
+    (:func:`_fold_row`: its row's at ``news``, its columns' into ``accs``, the strip's, returned)."""
+    s0, s1, s2 = states
+    acc0, acc1, acc2 = accs
+    if N_STATES == 1:
+        p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
+    elif N_STATES == 2:
+        p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
+    else:
+        p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
+        if SCALES[2]:
+            acc2 = _fold_row(s2, acc2, news[2], r, ok, SCALES[2], MASKED)
+    if N_STATES >= 2 and SCALES[1]:
+        acc1 = _fold_row(s1, acc1, news[1], r, ok, SCALES[1], MASKED)
+    if SCALES[0]:
+        acc0 = _fold_row(s0, acc0, news[0], r, ok, SCALES[0], MASKED)
+    return acc0, acc1, acc2
 
 
 @triton.jit
@@ -282,11 +375,13 @@ def _rows_of_strip(
     S2_QUANT: tl.constexpr,
     S2_BITS: tl.constexpr,
     S2_SCALE: tl.constexpr,
+    GROUPED: tl.constexpr,
 ):
     """The ALIGNED strip of :func:`rank1_stats_kernel`: its ``n_rows`` rows from ``first_row``, at columns ``c0 +
     local`` (``local``: runs of :data:`RUN`; every column inside the matrix), each row a vector of the tile's columns,
-    the loop unrolled ``ROWS`` times (the rows' loads issued together). The columns' statistics stay per element in
-    registers until the strip's end."""
+    the loop unrolled ``ROWS`` times, or with ``GROUPED`` each ``ROWS`` rows' loads written before any of their updates
+    (the compiler otherwise issues a row's loads only after the previous row's atomic, which it cannot tell apart from
+    them). The columns' statistics stay per element in registers until the strip's end."""
     c = c0 + local
     col0 = _strip_columns(row, 0, c, rows, cols, S0_QUANT, S0_SCALE)
     col1 = _strip_columns(row, 1, c, rows, cols, S1_QUANT, S1_SCALE)
@@ -297,29 +392,62 @@ def _rows_of_strip(
     codes0, scales0, new0 = tl.load(row + 1), tl.load(row + 2), tl.load(info + 1)
     codes1, scales1, new1 = tl.load(row + 3), tl.load(row + 4), tl.load(info + 2)
     codes2, scales2, new2 = tl.load(row + 5), tl.load(row + 6), tl.load(info + 3)
-    for r in tl.range(first_row, first_row + n_rows, loop_unroll_factor=ROWS):
-        start = r * cols + c0
-        e = start + local
-        p = tl.load(p_base + e).to(tl.float32)
-        g = tl.load(g_base + e).to(tl.float32)
-        if MAXIMIZE:
-            g = -g
-        s0 = _row_state(codes0, scales0, s0_values, e, start, r, col0, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
-        if N_STATES == 1:
-            p, s0 = UPDATE(p, g, s0, cf, OPTION, PTX)
-        else:
-            s1 = _row_state(codes1, scales1, s1_values, e, start, r, col1, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
-            if N_STATES == 2:
-                p, s0, s1 = UPDATE(p, g, s0, s1, cf, OPTION, PTX)
-            else:
+    if GROUPED:  # each ROWS rows' loads first, then their decoding and updates (the last group masked)
+        end = first_row + n_rows
+        for r0 in tl.range(first_row, end, ROWS):
+            group = ()
+            for j in tl.static_range(ROWS):
+                r = r0 + j
+                ok = r < end
+                start = r * cols + c0
+                e = start + local
+                mask = tl.full(e.shape, 1, tl.int1) & ok
+                p = tl.load(p_base + e, mask=mask, other=0.0)
+                g = tl.load(g_base + e, mask=mask, other=0.0)
+                raw0 = _row_codes(codes0, e, start, ok, S0_QUANT, S0_BITS, S0_SCALE, True)
+                raw1 = _row_codes(codes1, e, start, ok, S1_QUANT, S1_BITS, S1_SCALE, True) if N_STATES >= 2 else 0
+                raw2 = _row_codes(codes2, e, start, ok, S2_QUANT, S2_BITS, S2_SCALE, True) if N_STATES == 3 else 0
+                scale0 = _row_scale(scales0, start, r, ok, S0_QUANT, QBLOCK, S0_SCALE, True)
+                scale1 = _row_scale(scales1, start, r, ok, S1_QUANT, QBLOCK, S1_SCALE, True) if N_STATES >= 2 else 1.0
+                scale2 = _row_scale(scales2, start, r, ok, S2_QUANT, QBLOCK, S2_SCALE, True) if N_STATES == 3 else 1.0
+                group = group + ((p, g, raw0, raw1, raw2, scale0, scale1, scale2),)
+            for j in tl.static_range(ROWS):
+                p, g, raw0, raw1, raw2, scale0, scale1, scale2 = group[j]
+                g = g.to(tl.float32)
+                if MAXIMIZE:
+                    g = -g
+                s0 = _row_scaled(
+                    _row_values(raw0, s0_values, S0_QUANT, S0_BITS, S0_SCALE), scale0, col0, S0_QUANT, S0_SCALE
+                )
+                s1, s2 = 0.0, 0.0
+                if N_STATES >= 2:
+                    s1 = _row_values(raw1, s1_values, S1_QUANT, S1_BITS, S1_SCALE)
+                    s1 = _row_scaled(s1, scale1, col1, S1_QUANT, S1_SCALE)
+                if N_STATES == 3:
+                    s2 = _row_values(raw2, s2_values, S2_QUANT, S2_BITS, S2_SCALE)
+                    s2 = _row_scaled(s2, scale2, col2, S2_QUANT, S2_SCALE)
+                acc0, acc1, acc2 = _row_update(
+                    p.to(tl.float32), g, (s0, s1, s2), cf, (acc0, acc1, acc2), (new0, new1, new2), r0 + j,
+                    r0 + j < end, UPDATE, OPTION, PTX, N_STATES, (S0_SCALE, S1_SCALE, S2_SCALE), True,
+                )  # fmt: skip
+    else:  # the loop unrolled ROWS times, in the compiler's order
+        for r in tl.range(first_row, first_row + n_rows, loop_unroll_factor=ROWS):
+            start = r * cols + c0
+            e = start + local
+            p = tl.load(p_base + e).to(tl.float32)
+            g = tl.load(g_base + e).to(tl.float32)
+            if MAXIMIZE:
+                g = -g
+            s0 = _row_state(codes0, scales0, s0_values, e, start, r, col0, S0_QUANT, S0_BITS, QBLOCK, S0_SCALE)
+            s1, s2 = 0.0, 0.0
+            if N_STATES >= 2:
+                s1 = _row_state(codes1, scales1, s1_values, e, start, r, col1, S1_QUANT, S1_BITS, QBLOCK, S1_SCALE)
+            if N_STATES == 3:
                 s2 = _row_state(codes2, scales2, s2_values, e, start, r, col2, S2_QUANT, S2_BITS, QBLOCK, S2_SCALE)
-                p, s0, s1, s2 = UPDATE(p, g, s0, s1, s2, cf, OPTION, PTX)
-                if S2_SCALE:
-                    acc2 = _fold_row(s2, acc2, new2, r, S2_SCALE)
-            if S1_SCALE:
-                acc1 = _fold_row(s1, acc1, new1, r, S1_SCALE)
-        if S0_SCALE:
-            acc0 = _fold_row(s0, acc0, new0, r, S0_SCALE)
+            acc0, acc1, acc2 = _row_update(
+                p, g, (s0, s1, s2), cf, (acc0, acc1, acc2), (new0, new1, new2), r, True, UPDATE, OPTION, PTX,
+                N_STATES, (S0_SCALE, S1_SCALE, S2_SCALE), False,
+            )  # fmt: skip
     c_ok = c < cols
     if S0_SCALE:
         _fold_columns(acc0, new0, rows, c, c_ok, S0_SCALE)
@@ -365,6 +493,7 @@ def rank1_stats_kernel(
     S2_QUANT: tl.constexpr = False,
     S2_BITS: tl.constexpr = 8,
     S2_SCALE: tl.constexpr = 0,
+    GROUPED: tl.constexpr = False,  # under ROWWISE, each ROWS rows' loads first (StatsTile.grouped)
 ):
     pid = tl.program_id(0)
     t = tl.load(prog_tensor + pid)
@@ -415,6 +544,7 @@ def rank1_stats_kernel(
             S2_QUANT,
             S2_BITS,
             S2_SCALE,
+            GROUPED,
         )
         return
     col0 = _col_maxima(row, 0, c, c_ok, rows, S0_QUANT, S0_SCALE)

@@ -207,6 +207,7 @@ def _rank1_stats(plan, update, option: bool, maximize: bool) -> tuple[int, ...]:
         COLS=plan.stats_tile_shape.cols,
         STRIP=plan.stats_tile_shape.strip,
         ROWWISE=plan.stats_tile_shape.rowwise,
+        GROUPED=plan.stats_tile_shape.grouped,
         N_STATES=n_states,
         N_COEFS=plan.rule.n_coefs,
         **flags,
