@@ -184,9 +184,9 @@ constants = dict(s2_values=None, PARAM_DTYPE=param, GRAD_DTYPE=param, QBLOCK=128
 shape = STATS_TILES[["rank1", "factored"][kind - 1]]
 tile = dict(ROWS=shape.rows, COLS=shape.cols, STRIP=shape.strip, ROWWISE=shape.rowwise)
 stats = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile), 90, shape.warps, shape.maxnreg)
-# and the first pass with each tile's rows' loads first (StatsTile.grouped), where it reads rows
+# and the first pass with each tile's rows' loads first (StatsTile.grouped), where it reads rows (rank-1 scales)
 grouped = compile_kernel(rank1_stats_kernel, signature, dict(constants, **tile, GROUPED=True), 90, shape.warps,
-                         shape.maxnreg)
+                         shape.maxnreg) if shape.rowwise else stats
 columns = compile_kernel(normalize_columns_kernel, {"columns": "*i64"}, {"BLOCK": 1024}, 90, 4)
 print(len(compiled.asm["cubin"]), len(folded.asm["cubin"]), len(stats.asm["cubin"]), len(grouped.asm["cubin"]),
       len(columns.asm["cubin"]))
