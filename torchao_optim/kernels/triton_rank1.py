@@ -55,9 +55,7 @@ class StatsTile(NamedTuple):
     strip: int = 1  # tiles a program walks down a column of tiles, its column statistics kept in registers
     rowwise: bool = False  # where a plan is ALIGNED, a tile read row by row, one run of RUN columns a thread
     maxnreg: int | None = None  # the pass's register cap (None: the compiler's choice)
-    grouped: bool = (
-        False  # under rowwise, each `rows` rows' loads written before their updates (else the compiler's order)
-    )
+    grouped: bool = False  # under rowwise, a tile's rows' loads before their updates (else the compiler's order)
 
 
 STATS_TILES = {"rank1": StatsTile(4, 128, 1, 32, rowwise=True), "factored": StatsTile(8, 128, 4)}
@@ -134,10 +132,11 @@ def _state_at(
 
 @triton.jit
 def _row_codes(codes, e, start, ok, QUANT: tl.constexpr, BITS: tl.constexpr, SCALE: tl.constexpr, MASKED: tl.constexpr):
-    """The codes of a state on one row of an ALIGNED tile (``codes``: its address from the pointer table; the row's
-    elements ``e``, a vector: ``start``, a multiple of 16 bytes of every array inside one block, plus runs of
-    :data:`RUN`): 8-bit codes as int32, 4-bit ones as one word of two bytes a run, a plain state's values; none for a
-    factored state (0). ``MASKED``: only where the scalar ``ok`` holds (0 elsewhere)."""
+    """The codes of a state on one row of an ALIGNED tile (``codes``: its address from the pointer table; ``e``: the
+    row's elements, ``start`` (a multiple of 16 bytes of every array, inside one block) plus each thread's
+    :data:`RUN` contiguous columns): 8-bit codes as int32, 4-bit ones as one two-byte word per :data:`RUN` elements, a
+    plain state's values; none for a factored state (0). ``MASKED``: only where the scalar ``ok`` holds (0
+    elsewhere)."""
     if QUANT and SCALE == FACTORED:
         return 0
     n_words: tl.constexpr = e.shape[0] // RUN
@@ -416,9 +415,8 @@ def _rows_of_strip(
                 g = g.to(tl.float32)
                 if MAXIMIZE:
                     g = -g
-                s0 = _row_scaled(
-                    _row_values(raw0, s0_values, S0_QUANT, S0_BITS, S0_SCALE), scale0, col0, S0_QUANT, S0_SCALE
-                )
+                s0 = _row_values(raw0, s0_values, S0_QUANT, S0_BITS, S0_SCALE)
+                s0 = _row_scaled(s0, scale0, col0, S0_QUANT, S0_SCALE)
                 s1, s2 = 0.0, 0.0
                 if N_STATES >= 2:
                     s1 = _row_values(raw1, s1_values, S1_QUANT, S1_BITS, S1_SCALE)
