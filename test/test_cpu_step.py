@@ -408,6 +408,21 @@ def test_built_once_into_the_cache_directory(monkeypatch, tmp_path):
         cpu.cpu_kernels.cache_clear()
 
 
+def test_extra_compiler_flags_reach_the_build(monkeypatch, tmp_path):
+    """$TORCHAO_OPTIM_CFLAGS (a sanitizer, say) goes to the compiler: a flag it refuses leaves the C step unbuilt, with
+    the compiler's message; the flags are part of the cache key, so the healthy build is not reused for them."""
+    monkeypatch.setenv("TORCHAO_OPTIM_CACHE_DIR", str(tmp_path))
+    cpu.cpu_kernels.cache_clear()
+    try:
+        assert cpu.cpu_kernels_available()
+        monkeypatch.setenv("TORCHAO_OPTIM_CFLAGS", "-fsanitize=not-a-sanitizer")
+        cpu.cpu_kernels.cache_clear()
+        with pytest.warns(RuntimeWarning, match="not-a-sanitizer"):
+            assert not cpu.cpu_kernels_available()
+    finally:
+        cpu.cpu_kernels.cache_clear()
+
+
 def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
     """Built without ``-march=native`` (no AVX-512 code: the plain loops of the decode and the encoders), the step
     stores the same bytes as the build for this machine: the vector paths change speed, never a result."""

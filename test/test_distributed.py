@@ -32,16 +32,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import functools
 import math
 import multiprocessing
 import os
+import signal
 import socket
 import tempfile
 import textwrap
 import time
 import unittest
 import unittest.mock
+import warnings
 
 import expecttest
 import pytest
@@ -335,7 +338,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fault_file(out, rank):
+    return os.path.join(out, f"fault.{rank}.txt")
+
+
 def _entry(rank, world, port, job, out, args, timeout, backend):
+    # a rank that crashes (a signal, not an exception) writes its Python stack here, for spawn() to report
+    fault = open(_fault_file(out, rank), "w")  # noqa: SIM115 (open until the process ends)
+    faulthandler.enable(fault, all_threads=True)
     if "cuda" in backend:
         torch.cuda.set_device(rank)
     dist.init_process_group(
@@ -356,12 +366,25 @@ def _entry(rank, world, port, job, out, args, timeout, backend):
 
 def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
     """Run ``job(out, *args)`` on ``world`` ranks (a process group of ``backend``) and return what rank 0
-    returned; fail after ``timeout`` seconds."""
+    returned; fail after ``timeout`` seconds. A rank killed by a signal (a crash, not an exception) fails the job
+    with each rank's Python stack; the job runs once more first, with a warning that carries those stacks: a crash
+    that comes back fails, one that does not is reported, not hidden."""
+    try:
+        return _spawn_once(job, world, os.path.join(out, "first"), args, timeout, backend)
+    except mp.ProcessExitedException as e:
+        if e.signal_name is None:
+            raise
+        warnings.warn(f"{job.__name__} on {world} ranks crashed; running it again: {e}", stacklevel=2)
+    return _spawn_once(job, world, os.path.join(out, "again"), args, timeout, backend)
+
+
+def _spawn_once(job, world, out, args, timeout, backend):
     # Not fork: a child forked from a process that has run torch ops can hang (OpenMP's thread pool). A fork
     # server that imports torch and the packages the jobs use once, before any op, then forks the ranks, which
     # import only this module (on 2 cores, 4 ranks importing torch at once took 20 s). This module too where the
     # fork server finds it: Python 3.11's does not take the parent's sys.path, where pytest put this directory.
     # CUDA jobs are spawned: importing the kernels can initialize CUDA, and a process forked after that cannot use it.
+    os.makedirs(out)
     forkable = "cuda" not in backend and "forkserver" in mp.get_all_start_methods()
     method = "forkserver" if forkable else "spawn"
     if method == "forkserver":
@@ -374,11 +397,23 @@ def spawn(job, world, out, *args, timeout=TIMEOUT, backend="gloo"):
         start_method=method,
     )
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=2):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            raise TimeoutError(f"{job.__name__} on {world} ranks did not finish within {timeout} s")
+    try:
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{job.__name__} on {world} ranks did not finish within {timeout} s")
+    except mp.ProcessExitedException as e:
+        stacks = []
+        for rank in range(world):
+            text = ""
+            with contextlib.suppress(OSError), open(_fault_file(out, rank)) as f:
+                text = f.read().strip()
+            if text:
+                stacks.append(f"rank {rank}:\n{text}")
+        raise mp.ProcessExitedException(
+            "\n\n".join([str(e), *stacks]), e.error_index, e.error_pid, e.exit_code, e.signal_name
+        ) from e
     return torch.load(os.path.join(out, f"{job.__name__}.pt"), weights_only=True)
 
 
@@ -799,6 +834,34 @@ def case_problems(case, ours, ref, what="", stepped=True) -> list[str]:
 
 
 # ---- the tests --------------------------------------------------------------------------------------------
+def crashes(out, times):
+    """Rank 1 kills itself with SIGSEGV in its first ``times`` attempts (:func:`spawn`'s folders), as a crash in
+    native code would; rank 0 returns its rank's sum with rank 1's."""
+    attempts = ("first", "again")[:times]
+    if dist.get_rank() == 1 and os.path.basename(out) in attempts:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return {"total": total}
+
+
+class TestSpawn(unittest.TestCase):
+    """The harness the real-rank tests stand on: a rank that crashes names its Python stack, and the job's one
+    retry reports the first crash, and fails where the crash comes back."""
+
+    def test_a_crash_once_is_run_again_and_reported(self):
+        with tempfile.TemporaryDirectory() as out, self.assertWarnsRegex(UserWarning, "crashes on 2 ranks") as w:
+            result = spawn(crashes, 2, out, 1)
+        self.assertEqual(result["total"].item(), 3.0)  # the second run's, on both ranks
+        self.assertIn("rank 1:\nFatal Python error: Segmentation fault", str(w.warning))
+        self.assertIn(" in crashes", str(w.warning))  # the crashed rank's Python frame
+
+    def test_a_crash_that_comes_back_fails(self):
+        with tempfile.TemporaryDirectory() as out, self.assertWarns(UserWarning):
+            with self.assertRaisesRegex(mp.ProcessExitedException, "(?s)SIGSEGV.*rank 1:.* in crashes"):
+                spawn(crashes, 2, out, 2)
+
+
 class TestBlockRule(expecttest.TestCase):
     def test_block_rule(self):
         # from the global shape only: the format's block, halved while it does not divide the row, to 1/8 of it

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -111,8 +112,10 @@ def _build(compiler: str, source: str) -> Path:
     repaired or replaced), and a marker on disk would keep every later process from trying a healthy compiler
     again; a flag set the compiler refuses for good costs a later process one failed run, which fails at once."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    user = shlex.split(os.environ.get("TORCHAO_OPTIM_CFLAGS", ""))  # e.g. a sanitizer, to check the C step
     errors = []
     for extra in (NATIVE + GATHER, NATIVE, []):  # the first set the compiler takes
+        extra = extra + user
         digest = hashlib.sha256(
             b"\0".join([source.encode(), version.encode(), " ".join(FLAGS + extra).encode(), _cpu_signature().encode()])
         ).hexdigest()[:16]
