@@ -83,7 +83,7 @@ NOINLINE static void decaying_momentum(float *restrict p, const float *restrict 
         g = g + wd * pi;
         float s_new = s[i] * momentum + one_minus_momentum * g;
         int ok = is_finite(s_new) ? fin : 0;
-        float si = ok ? s_new : s[i];
+        float si = keep_if(ok, s_new, s[i]);
         s[i] = si;
         float sign = si > 0.0f ? 1.0f : (si < 0.0f ? -1.0f : 0.0f);
         float d = use_sign ? sign : si;

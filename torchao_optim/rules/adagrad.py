@@ -87,7 +87,7 @@ NOINLINE static void adagrad(float *restrict p, const float *restrict g_in, floa
         g = g + wd * pi;
         float s_new = s[i] + g * g;
         int ok = fin & is_finite(s_new);
-        float si = ok ? s_new : s[i];
+        float si = keep_if(ok, s_new, s[i]);
         s[i] = si;
         p[i] = ok ? pi - clr * g / (sqrtf(si) + eps) : pi;
     }

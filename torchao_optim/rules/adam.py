@@ -219,7 +219,7 @@ static inline __attribute__((always_inline)) void adam_loop(float *restrict p, c
         float m_new = m[i] + omb1 * (g - m[i]);
         float v_new = v[i] * beta2 + omb2 * g * g;
         int ok = fin & is_finite(m_new) & is_finite(v_new);
-        float mi = ok ? m_new : m[i], vi = ok ? v_new : v[i];
+        float mi = keep_if(ok, m_new, m[i]), vi = keep_if(ok, v_new, v[i]);
         m[i] = mi;
         v[i] = vi;
         if (amsgrad) {

@@ -139,7 +139,7 @@ NOINLINE static void ademamix(float *restrict p, const float *restrict g_in, flo
         float m2_new = m2[i] + omb3 * (g - m2[i]);
         float nu_new = nu[i] * beta2 + omb2 * g * g;
         int ok = fin & is_finite(m1_new) & is_finite(m2_new) & is_finite(nu_new);
-        float a = ok ? m1_new : m1[i], b = ok ? m2_new : m2[i], v = ok ? nu_new : nu[i];
+        float a = keep_if(ok, m1_new, m1[i]), b = keep_if(ok, m2_new, m2[i]), v = keep_if(ok, nu_new, nu[i]);
         m1[i] = a;
         m2[i] = b;
         nu[i] = v;

@@ -79,7 +79,7 @@ NOINLINE static void lion(float *restrict p, const float *restrict g_in, float *
         float interp = s[i] + omb1 * (g - s[i]);
         float s_new = s[i] + omb2 * (g - s[i]);
         int ok = is_finite(s_new) ? (is_finite(interp) ? fin : 0) : 0; /* selects: & made GCC branch, 1.7x slower */
-        s[i] = ok ? s_new : s[i];
+        s[i] = keep_if(ok, s_new, s[i]);
         float sign = interp > 0.0f ? 1.0f : 0.0f;
         sign = interp < 0.0f ? -1.0f : sign;
         p[i] = ok ? pi * wd_factor - lr * sign : pi;

@@ -79,8 +79,8 @@ static inline __attribute__((always_inline)) void muon_loop(float *restrict d, c
         int fin = is_finite(g);
         g = fin ? g : 0.0f;
         float s_new = s[i] + omm * (g - s[i]);
-        int ok = is_finite(s_new) ? fin : 0;
-        float si = ok ? s_new : s[i];
+        int ok = fin & is_finite(s_new);
+        float si = keep_if(ok, s_new, s[i]);
         s[i] = si;
         float di = nesterov ? g + momentum * (si - g) : si;
         d[i] = ok ? di : __builtin_nanf("");

@@ -211,9 +211,9 @@ static inline __attribute__((always_inline)) void rmsprop_loop(float *restrict p
         } else {
             p_new = pi - lr * g / denom;
         }
-        v[i] = ok ? v_new : v[i];
-        if (with_momentum) b[i] = ok ? b_new : b[i];
-        if (centered) a[i] = ok ? a_new : a[i];
+        v[i] = keep_if(ok, v_new, v[i]);
+        if (with_momentum) b[i] = keep_if(ok, b_new, b[i]);
+        if (centered) a[i] = keep_if(ok, a_new, a[i]);
         p[i] = ok ? p_new : pi;
     }
 }

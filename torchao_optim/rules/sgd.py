@@ -89,7 +89,7 @@ static inline __attribute__((always_inline)) void sgd_loop(float *restrict p, co
         g = g + wd * pi;
         float s_new = s[i] * momentum + grad_coef * g;
         int ok = fin & is_finite(s_new);
-        float si = ok ? s_new : s[i];
+        float si = keep_if(ok, s_new, s[i]);
         s[i] = si;
         float d = nesterov ? g + momentum * si : si;
         p[i] = ok ? pi - lr * d : pi;
