@@ -245,7 +245,13 @@ def _load(rules) -> ctypes.CDLL:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found ($CC, cc, gcc, clang)")
-    lib = ctypes.CDLL(str(_build(compiler, step_source(rules))))
+    return open_library(_build(compiler, step_source(rules)))
+
+
+def open_library(path) -> ctypes.CDLL:
+    """A built C step (a file :func:`_build` wrote), loaded and set up: its functions' signatures, and torch's OpenMP
+    team handed over where there is one. Tools load another tree's build with it (``benchmarks/ab_cpu_step.py``)."""
+    lib = ctypes.CDLL(str(path))
     fn = lib.torchao_optim_cpu_step
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.argtypes = [i64] + [ptr] * 6 + [ptr, ptr, ptr, i32, i32, ptr] * MAX_STATES + [i32] * 10 + [i64]
