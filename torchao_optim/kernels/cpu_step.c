@@ -36,6 +36,9 @@
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define VBMI 1 /* byte permutes: the 8-bit decode without gathers */
 #endif
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define AVX2 1 /* without AVX-512: the 4-bit decode's permutes */
 #endif
 
 #define MAX_BLOCK 4096
@@ -194,6 +197,22 @@ NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int
         __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), values);
         _mm512_storeu_ps(dst + 2 * j, _mm512_mul_ps(_mm512_permutex2var_ps(even, first, odd), s));
         _mm512_storeu_ps(dst + 2 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), s));
+    }
+#elif defined(AVX2)
+    /* the 16 values in two registers: a permute of each per 8 codes and a blend on the code's bit 3 (moved to the
+       sign bit, which the blend reads), no gather */
+    const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8), s = _mm256_set1_ps(scale);
+    for (; j + 8 <= half; j += 8) { /* 8 bytes, 16 elements: low nibbles are the even ones */
+        __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
+        __m256i e = _mm256_and_si256(bytes, _mm256_set1_epi32(15)), o = _mm256_srli_epi32(bytes, 4);
+        __m256 even = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, e), _mm256_permutevar8x32_ps(high, e),
+                                       _mm256_castsi256_ps(_mm256_slli_epi32(e, 28)));
+        __m256 odd = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, o), _mm256_permutevar8x32_ps(high, o),
+                                      _mm256_castsi256_ps(_mm256_slli_epi32(o, 28)));
+        /* interleaved within 128-bit lanes, then the lanes put in order */
+        __m256 a = _mm256_mul_ps(_mm256_unpacklo_ps(even, odd), s), b = _mm256_mul_ps(_mm256_unpackhi_ps(even, odd), s);
+        _mm256_storeu_ps(dst + 2 * j, _mm256_permute2f128_ps(a, b, 0x20));
+        _mm256_storeu_ps(dst + 2 * j + 8, _mm256_permute2f128_ps(a, b, 0x31));
     }
 #endif
     for (; j < half; j++) {
