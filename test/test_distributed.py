@@ -1,16 +1,17 @@
 """Beyond one process: FSDP2 (``fully_shard``), HSDP, DDP and distributed checkpoints (DCP), on CPU.
 
-Two kinds of tests. In this process, each rank of a 2-rank (or 4-rank) FSDP2 model is simulated in turn on
-torch's fake process group (no communication; the optimizer needs none): the local parameters and states
-after each step must be exactly the rows of single-process training's. Then real ranks: 2 or 4 processes on
-gloo (``torch.multiprocessing``, started by a fork server, on a free port; a job that hangs is killed after
-``TIMEOUT`` seconds and fails the test) train, save DCP checkpoints and resume them on other numbers of ranks,
-and write what they end with (whole parameters and states, gathered with ``full_tensor()``: a real all-gather of
-quantized states) to a file that the tests compare with single-process training here. A :class:`Case` is one
-such run of one optimizer, format and feature (HSDP, CPUOffloadPolicy, the step in backward, bf16 stochastic
-rounding, the fused C step or the per-parameter path); each job batches several, since starting ranks is the
-cost. CI runs a sample that has each of them once on 2 and on 4 ranks; ``--runslow`` runs every optimizer x
-every format x each feature (``test_sweep``).
+Two kinds of tests. In this process, each rank of a 2-rank (or 4-rank) FSDP2 model is simulated in turn on torch's
+fake process group (no communication; the optimizer needs none): the local parameters and states after each step
+must be exactly the rows of single-process training's. Then real ranks: 2 or 4 processes on gloo
+(``torch.multiprocessing``, started by a fork server, on a free port; a job that hangs is killed after ``TIMEOUT``
+seconds and fails the test; a rank that crashes reports its Python stack, and its job runs once more, with a
+warning: a crash that comes back fails the test) train, save DCP checkpoints and resume them on other numbers of
+ranks, and write what they end with (whole parameters and states, gathered with ``full_tensor()``: a real all-gather
+of quantized states) to a file that the tests compare with single-process training here. A :class:`Case` is one such
+run of one optimizer, format and feature (HSDP, CPUOffloadPolicy, the step in backward, bf16 stochastic rounding,
+the fused C step or the per-parameter path); each job batches several, since starting ranks is the cost. CI runs a
+sample that has each of them once on 2 and on 4 ranks; ``--runslow`` runs every optimizer x every format x each
+feature (``test_sweep``).
 
 The model has one parameter of each kind the block rule (``optim/sharded.py``) tells apart, with dim 0 sizes
 that shard unevenly on two ranks:
