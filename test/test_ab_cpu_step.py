@@ -8,6 +8,7 @@ from benchmark_scripts import BENCHMARKS, load_benchmark
 
 from torchao_optim import SGD8bit
 from torchao_optim.kernels import cpu
+from torchao_optim.optim import launch
 
 ab = load_benchmark("ab_cpu_step")
 needs_c_step = pytest.mark.skipif(not cpu.cpu_kernels_available(), reason="no C compiler for the fused C step")
@@ -49,8 +50,6 @@ def test_steps_alternate_between_the_builds_and_train_alike():
         reference.step()
     for p, q in zip(params, twin):  # the same library twice: the same 8 steps as one optimizer's
         torch.testing.assert_close(p, q, rtol=0, atol=0)
-    from torchao_optim.optim import launch
-
     assert launch.cpu_rule is cpu.cpu_rule  # the launch's own lookup back
 
 

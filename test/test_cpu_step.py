@@ -424,8 +424,8 @@ def test_extra_compiler_flags_reach_the_build(monkeypatch, tmp_path):
 
 
 def test_a_portable_build_steps_alike(monkeypatch, tmp_path):
-    """Built without ``-march=native`` (no AVX-512 code: the plain loops of the decode and the encoders), the step
-    stores the same bytes as the build for this machine: the vector paths change speed, never a result."""
+    """Built without ``-march=native`` (no AVX-512 or AVX2 code: the plain loops of the decode and the encoders), the
+    step stores the same bytes as the build for this machine: the vector paths change speed, never a result."""
     results = []
     try:
         for portable in (False, True):

@@ -114,8 +114,7 @@ def _build(compiler: str, source: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     user = shlex.split(os.environ.get("TORCHAO_OPTIM_CFLAGS", ""))  # e.g. a sanitizer, to check the C step
     errors = []
-    for extra in (NATIVE + GATHER, NATIVE, []):  # the first set the compiler takes
-        extra = extra + user
+    for extra in (NATIVE + GATHER + user, NATIVE + user, user):  # the first set the compiler takes
         digest = hashlib.sha256(
             b"\0".join([source.encode(), version.encode(), " ".join(FLAGS + extra).encode(), _cpu_signature().encode()])
         ).hexdigest()[:16]

@@ -183,6 +183,15 @@ NOINLINE static void decode8(float *restrict dst, const uint8_t *restrict c, int
     for (; i < n; i++) dst[i] = table[c[i]] * scale;
 }
 
+#ifdef AVX2
+/* values[idx], idx < 16, from the 16 values in two registers: a permute of each and a blend on the index's bit 3
+   (moved to the sign bit, which the blend reads), no gather */
+static inline __m256 lookup16(__m256 low, __m256 high, __m256i idx) {
+    return _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, idx), _mm256_permutevar8x32_ps(high, idx),
+                            _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+#endif
+
 NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int n, float scale,
                     const float *restrict table) {
     int half = n / 2, j = 0;
@@ -199,16 +208,11 @@ NOINLINE static void decode4(float *restrict dst, const uint8_t *restrict c, int
         _mm512_storeu_ps(dst + 2 * j + 16, _mm512_mul_ps(_mm512_permutex2var_ps(even, second, odd), s));
     }
 #elif defined(AVX2)
-    /* the 16 values in two registers: a permute of each per 8 codes and a blend on the code's bit 3 (moved to the
-       sign bit, which the blend reads), no gather */
     const __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8), s = _mm256_set1_ps(scale);
     for (; j + 8 <= half; j += 8) { /* 8 bytes, 16 elements: low nibbles are the even ones */
         __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c + j)));
         __m256i e = _mm256_and_si256(bytes, _mm256_set1_epi32(15)), o = _mm256_srli_epi32(bytes, 4);
-        __m256 even = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, e), _mm256_permutevar8x32_ps(high, e),
-                                       _mm256_castsi256_ps(_mm256_slli_epi32(e, 28)));
-        __m256 odd = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, o), _mm256_permutevar8x32_ps(high, o),
-                                      _mm256_castsi256_ps(_mm256_slli_epi32(o, 28)));
+        __m256 even = lookup16(low, high, e), odd = lookup16(low, high, o);
         /* interleaved within 128-bit lanes, then the lanes put in order */
         __m256 a = _mm256_mul_ps(_mm256_unpacklo_ps(even, odd), s), b = _mm256_mul_ps(_mm256_unpackhi_ps(even, odd), s);
         _mm256_storeu_ps(dst + 2 * j, _mm256_permute2f128_ps(a, b, 0x20));
